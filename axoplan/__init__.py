@@ -3,16 +3,6 @@ bundled trainer, and emit launch configs. The planner imports no torch."""
 
 __version__ = "0.1.0"
 
+from .rank import explain, rank  # noqa: E402  (the public API: axoplan.rank(...), axoplan.explain(...))
 
-def rank(*args, **kwargs):
-    """See axoplan.rank.rank: returns the ranking DataFrame."""
-    from .rank import rank as _rank
-
-    return _rank(*args, **kwargs)
-
-
-def explain(*args, **kwargs):
-    """See axoplan.rank.explain."""
-    from .rank import explain as _explain
-
-    return _explain(*args, **kwargs)
+__all__ = ["rank", "explain", "__version__"]

@@ -1,0 +1,222 @@
+"""The batch-time combiner: lays each micro-batch out as the trainer runs it, a sequence of layer
+windows, and overlaps communication with compute exactly where the trainer does.
+
+A window is one layer's step on the compute stream plus what the Z stream does meanwhile:
+- OAG: the next window's weight all-gather is prefetched during this one, so the window takes
+  max(compute, next all-gather); only the first all-gather of a pass is exposed. Without OAG
+  each all-gather sits in front of its own window.
+- OAR: a layer's dI all-reduce runs under its dW GEMM; only the excess is exposed.
+- ORS: a layer's gradient reduce-scatter runs on the Z stream behind the backward compute;
+  without ORS it blocks.
+Forward all-reduces (X for normal layers, Y for transposed), norm statistics and the loss
+all-reduce block, as does the once-per-step data-parallel gradient all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..machine import MachineProfile
+from ..space import Candidates, divisibility_masks
+from ..specs import Job, ModelSpec
+from . import comm as C
+from . import compute as K
+from .memory import Memory, memory
+
+
+@dataclass
+class Window:
+    name: str
+    compute: np.ndarray  # compute work on the stream (GEMMs, attention, element-wise, launches)
+    blocking: np.ndarray  # communication the compute stream waits for
+    ag: np.ndarray  # all-gather this window needs before it starts (Z stream)
+    rs: np.ndarray  # reduce-scatter this window issues (Z stream)
+
+
+@dataclass
+class Evaluation:
+    batch_time: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    exposed_comm: np.ndarray
+    memory: Memory
+    memory_limit: float
+    feasible: np.ndarray
+    reason_code: np.ndarray  # -1 feasible, 0.. index into reasons
+    reasons: list  # templates
+    flops_per_gpu: np.ndarray  # FLOP per step per GPU, the paper's accounting (recompute included)
+    extrapolated: np.ndarray
+    detail: dict = field(default_factory=dict)
+
+
+def _zero(n):
+    return np.zeros(n)
+
+
+def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None):
+    """Total time of prefix + block * n_blocks + suffix, with identical blocks evaluated once."""
+    seq_int = prefix + block
+    n = len(prefix) + len(block)
+
+    def window_time(w: Window, nxt: Window | None):
+        if oag:
+            z = (nxt.ag if nxt is not None else 0.0) + (w.rs if ors else 0.0)
+            return np.maximum(w.compute + w.blocking + (0.0 if ors else w.rs), z)
+        if ors:
+            return w.ag + np.maximum(w.compute + w.blocking, w.rs)
+        return w.ag + w.compute + w.blocking + w.rs
+
+    total = prefix[0].ag if oag else 0.0
+    for i, w in enumerate(prefix):
+        nxt = (prefix + block)[i + 1]
+        t = window_time(w, nxt)
+        total = total + t
+        if record is not None:
+            record.append((w, t, 1))
+    # interior blocks: the last window prefetches the next block's first all-gather
+    interior = 0.0
+    last = 0.0
+    for i, w in enumerate(block):
+        nxt_int = block[(i + 1) % len(block)]
+        nxt_last = block[i + 1] if i + 1 < len(block) else (suffix[0] if suffix else None)
+        t_int = window_time(w, nxt_int)
+        t_last = window_time(w, nxt_last)
+        interior = interior + t_int
+        last = last + t_last
+        if record is not None:
+            record.append((w, t_int * (n_blocks - 1) + t_last, n_blocks))
+    total = total + interior * (n_blocks - 1) + last
+    for i, w in enumerate(suffix):
+        nxt = suffix[i + 1] if i + 1 < len(suffix) else None
+        t = window_time(w, nxt)
+        total = total + t
+        if record is not None:
+            record.append((w, t, 1))
+    return total
+
+
+def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
+             blas_tuning: bool | None = None, explain: bool = False) -> Evaluation:
+    np.seterr(divide="ignore", invalid="ignore")  # rows with a zero-sized shard are infeasible anyway
+    tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
+    n = len(c)
+    S = job.seq_len
+    e = profile.dtype_bytes
+    gx, gy, gz, gd, mb, ck = c.gx, c.gy, c.gz, c.gdata, c.micro_batch, c.checkpointing
+    grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
+    T = (mb * S).astype(np.float64)
+    ko = profile.kernel_overhead
+    g = C.place(profile, c)
+
+    # ---- per layer: GEMMs and collectives --------------------------------------------
+    lins = model.block_linears()
+    gem = [K.linear_gemms(profile, l, gx, gy, T, tuning) for l in lins]
+    col = [C.linear_collectives(profile, g, l, T, e) for l in lins]
+    lm = model.lm_head()
+    gem_lm = K.linear_gemms(profile, lm, gx, gy, T, tuning)
+    col_lm = C.linear_collectives(profile, g, lm, T, e)
+    col_emb = C.embedding_collectives(profile, g, model, T, e)
+    norm_f, norm_b = C.norm_collectives(profile, g, model, T, "norm")
+    loss_c = C.loss_collective(profile, g, T)
+    attn_f, attn_b = K.attention_seconds(profile, model, gy, mb, S)
+    ew_f = K.elementwise_seconds(profile, K.elementwise_bytes_fwd(model, gx, gy, T, e))
+    ew_loss = K.elementwise_seconds(profile, K.loss_elementwise_bytes(model, gy, T))
+    ew_emb = K.elementwise_seconds(profile, 2 * T * (model.hidden / gx) * e)
+    kf, kb = K.KERNELS_FWD_PER_BLOCK * ko, K.KERNELS_BWD_PER_BLOCK * ko
+    extrapolated = np.zeros(n, dtype=bool)
+    for gm in gem + [gem_lm]:
+        extrapolated |= gm.extrapolated
+
+    # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual
+    half_f = (ew_f + kf) / 2
+    extra_f = [attn_f + half_f, 0.0, half_f, 0.0]
+    norm_block_f = [norm_f.seconds, 0.0, norm_f.seconds, 0.0]
+    fwd_block = [Window(l.name, gem[i].fwd + extra_f[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
+                        col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
+    emb_f = Window("embedding", ew_emb + ko, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
+    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 4 * ko, col_lm["ar_fwd"].seconds + norm_f.seconds
+                  + loss_c.seconds, col_lm["ag"].seconds, _zero(n))
+
+    # backward windows
+    half_b = (2 * ew_f + kb) / 2
+    extra_b = [attn_b + half_b, 0.0, half_b, 0.0]
+
+    def bwd_window(i, with_ag):
+        gm, cl = gem[i], col[i]
+        ar = cl["ar_bwd"].seconds
+        exposed_ar = np.maximum(ar - gm.wgrad, 0.0) if overlap else ar
+        return Window(lins[i].name, gm.dgrad + gm.wgrad + extra_b[i], exposed_ar + norm_block_f[i],
+                      cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
+
+    ar_lm = col_lm["ar_bwd"].seconds
+    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 8 * ko,
+                  (np.maximum(ar_lm - gem_lm.wgrad, 0.0) if overlap else ar_lm) + norm_b.seconds,
+                  col_lm["ag"].seconds, col_lm["rs"].seconds)
+    emb_b = Window("embedding", ew_emb + 2 * ko, _zero(n), _zero(n), col_emb["rs"].seconds)
+
+    rec_f = [] if explain else None
+    rec_b = [] if explain else None
+    rec_bc = [] if explain else None
+    L = model.n_layers
+    t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f)
+    bwd_plain = [bwd_window(i, True) for i in reversed(range(4))]
+    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b)
+    recompute = [Window(w.name + " (recompute)", w.compute, w.blocking, w.ag, w.rs) for w in fwd_block]
+    bwd_ck = recompute + [bwd_window(i, False) for i in reversed(range(4))]
+    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc)
+    t_bwd = np.where(ck, t_bwd_ck, t_bwd_plain)
+
+    # ---- compute and communication totals per micro-batch ------------------------------------
+    comp_block_f = sum(w.compute for w in fwd_block)
+    comp_block_b = sum(gm.dgrad + gm.wgrad for gm in gem) + attn_b + 2 * ew_f + kb
+    comp_mb = (comp_block_f * (1 + ck) + comp_block_b) * L + emb_f.compute + lm_f.compute + lm_b.compute + emb_b.compute
+    # two all-gathers per layer either way: forward and backward, or forward and recompute (kept for backward)
+    comm_block = sum(cl["ar_fwd"].seconds * (1 + ck) + cl["ar_bwd"].seconds + 2 * cl["ag"].seconds + cl["rs"].seconds
+                     for cl in col)
+    comm_block = comm_block + norm_f.seconds * 2 * (1 + ck) + norm_b.seconds * 2
+    comm_mb = (comm_block * L + sum(v.seconds for v in col_emb.values()) + col_lm["ar_fwd"].seconds
+               + col_lm["ar_bwd"].seconds + 2 * col_lm["ag"].seconds + col_lm["rs"].seconds
+               + norm_f.seconds + norm_b.seconds + loss_c.seconds)
+
+    # ---- per step: data-parallel gradients and the optimizer ------------------------------------
+    block_elems = [(l.k // (gx if not l.transposed else gy)) * (l.n // (gy if not l.transposed else gx)) for l in lins]
+    lm_elems = (lm.k // gx) * (lm.n // gy)
+    emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
+    shard = sum(C.shard_elems(b, gz) for b in block_elems) * L + C.shard_elems(lm_elems, gz) + C.shard_elems(emb_elems, gz)
+    replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
+    step_colls = C.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated)
+    t_dp = sum(s.seconds for s in step_colls)
+    t_opt = K.optimizer_seconds(profile, shard + replicated, 4 * L + 2)
+
+    batch = grad_acc * (t_fwd + t_bwd) + t_dp + t_opt + profile.corrections.step_overhead_s
+    compute_total = grad_acc * comp_mb + t_opt
+    comm_total = grad_acc * comm_mb + t_dp
+    exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
+
+    # ---- memory --------------------------------------------------------------------------------
+    per_layer_block = sum(block_elems)
+    max_block = np.maximum.reduce([np.asarray(b, dtype=np.float64) for b in block_elems + [lm_elems, emb_elems]])
+    mem = memory(model, gx, gy, gz, T, ck, (shard + replicated).astype(np.float64), per_layer_block.astype(np.float64),
+                 max_block, e, prefetch=overlap, deferred_rs=overlap)
+    limit = profile.mem_capacity - profile.mem_headroom
+
+    # ---- feasibility, first failing rule wins -----------------------------------------------
+    rules = divisibility_masks(model, job.global_batch, S, c)
+    reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
+    code = np.full(n, -1, dtype=np.int64)
+    for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):
+        code = np.where(mask, i, code)
+    feasible = code < 0
+
+    flops_token = np.where(ck, model.flops_per_token(S, recompute=True), model.flops_per_token(S, recompute=False))
+    flops_gpu = flops_token * job.tokens_per_batch / job.gpus
+
+    detail = {}
+    if explain:
+        detail = {"fwd": rec_f, "bwd": rec_b, "bwd_ckpt": rec_bc, "step": step_colls, "grad_acc": grad_acc,
+                  "collectives": {"block": col, "lm_head": col_lm, "embedding": col_emb},
+                  "norm": (norm_f, norm_b), "loss": loss_c, "groups": g, "t_fwd": t_fwd, "t_bwd": t_bwd,
+                  "t_dp": t_dp, "t_opt": t_opt, "gemm": gem, "gemm_lm": gem_lm, "attention": (attn_f, attn_b)}
+    return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
+                      extrapolated, detail)

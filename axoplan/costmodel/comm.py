@@ -1,0 +1,127 @@
+"""Communication: which collective each layer issues, over which group, how many bytes, and how
+long it takes on the placed group (ring α-β with the profile's placement-aware bandwidth).
+
+Message sizes follow reference §2 per layer: normal layers (in over X, out over Y) and transposed
+ones (X and Y truly swapped), the embedding, the LM head with vocabulary-parallel cross-entropy,
+exact norms over X-sharded channels, and the data-parallel gradient all-reduce (fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..machine import MachineProfile
+from ..space import Candidates, strides
+from ..specs import LinearShape, ModelSpec
+
+FP32 = 4
+
+
+@dataclass
+class Groups:
+    """Size, bus bandwidth (bytes/s) and per-step latency (s) of each axis's group, per candidate."""
+
+    size: dict
+    stride: dict
+    busbw: dict
+    latency: dict
+
+
+def place(profile: MachineProfile, c: Candidates) -> Groups:
+    sx, sy, sz, sd = strides(c.gx, c.gy, c.gz, c.order)
+    size = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata}
+    stride = {"x": sx, "y": sy, "z": sz, "d": sd}
+    busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
+    lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
+    return Groups(size, stride, busbw, lat)
+
+
+def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency) -> np.ndarray:
+    """Seconds of one ring collective. nbytes: the per-GPU buffer of an all-reduce, the full (gathered)
+    buffer of an all-gather, the full input of a reduce-scatter (nccl-tests conventions)."""
+    p = np.asarray(p, dtype=np.float64)
+    frac = (p - 1) / np.maximum(p, 1)
+    if kind == "all_reduce":
+        vol, steps = 2 * frac * nbytes, 2 * (p - 1)
+    else:
+        vol, steps = frac * nbytes, p - 1
+    t = vol / (busbw * profile.coll_bw_scale[kind]) + steps * latency * profile.coll_lat_scale[kind]
+    return np.where(p > 1, t, 0.0)
+
+
+@dataclass
+class Collective:
+    """One collective a layer issues per micro-batch (or per step), with its size and time per call."""
+
+    layer: str
+    phase: str  # fwd, bwd, step
+    kind: str  # all_gather, reduce_scatter, all_reduce
+    axis: str  # x, y, z, d
+    nbytes: np.ndarray
+    seconds: np.ndarray
+
+
+def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    t = ring_time(profile, kind, nbytes, g.size[axis], g.busbw[axis], g.latency[axis])
+    return Collective(layer, phase, kind, axis, nbytes, t)
+
+
+def linear_axes(lin: LinearShape) -> tuple[str, str]:
+    """(axis splitting in-features, axis splitting out-features)."""
+    return ("y", "x") if lin.transposed else ("x", "y")
+
+
+def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int) -> dict[str, Collective]:
+    """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
+    all-gather of the weight block and reduce-scatter of its gradient over Z."""
+    ax_in, ax_out = linear_axes(lin)
+    g_in, g_out = g.size[ax_in], g.size[ax_out]
+    block = (lin.k // g_in) * (lin.n // g_out) * dtype_bytes
+    return {
+        "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * (lin.n // g_out) * dtype_bytes),
+        "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * (lin.k // g_in) * dtype_bytes),
+        "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
+        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block),
+    }
+
+
+def shard_elems(lin_elems_block, gz) -> np.ndarray:
+    """Elements of one Z shard of a weight block (flat blocks are padded to a multiple of gz)."""
+    return -(-lin_elems_block // gz)
+
+
+def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) -> tuple[Collective, Collective]:
+    """Exact norm over X-sharded channels: per-token statistics all-reduced over X, fp32
+    (layernorm: sum and sum of squares; rmsnorm: sum of squares), forward and backward alike."""
+    stats = 2 if model.norm == "layernorm" else 1
+    nbytes = tokens * stats * FP32
+    return (_coll(profile, g, name, "fwd", "all_reduce", "x", nbytes),
+            _coll(profile, g, name, "bwd", "all_reduce", "x", nbytes))
+
+
+def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes) -> dict[str, Collective]:
+    """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
+    all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
+    block = (model.padded_vocab // g.size["y"]) * (model.hidden // g.size["x"]) * dtype_bytes
+    return {
+        "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
+        "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * (model.hidden // g.size["x"]) * dtype_bytes),
+        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block),
+    }
+
+
+def loss_collective(profile, g: Groups, tokens) -> Collective:
+    """Vocabulary-parallel cross-entropy: per-token max, sum of exponentials and target logit over Y."""
+    return _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 3 * FP32)
+
+
+def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements) -> list[Collective]:
+    """Once per step: the fp32 gradient shards all-reduced over D; replicated parameters (norm
+    weights, positions) all-reduced over Z and D."""
+    return [
+        _coll(profile, g, "gradients", "step", "all_reduce", "d", shard_elements * FP32),
+        _coll(profile, g, "replicated", "step", "all_reduce", "z", replicated_elements * FP32),
+        _coll(profile, g, "replicated", "step", "all_reduce", "d", replicated_elements * FP32),
+    ]

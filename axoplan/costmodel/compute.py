@@ -1,0 +1,75 @@
+"""Compute: GEMM time per shape from the profile, attention from its FLOP, element-wise work from the
+bytes it moves, and a fixed cost per kernel launch. All per micro-batch unless named otherwise."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..machine import MachineProfile
+from ..specs import LinearShape, ModelSpec
+from .comm import linear_axes
+
+# Kernels the trainer launches per block (forward; backward about twice as many): two norms with their
+# statistics, four GEMMs, attention with its reshapes, activation, two residual adds.
+KERNELS_FWD_PER_BLOCK = 24
+KERNELS_BWD_PER_BLOCK = 48
+KERNELS_PER_LINEAR_STEP = 12  # optimizer (AdamW on one shard) and gradient bookkeeping per weight per step
+# AdamW traffic per fp32 shard element: read param, grad, m, v; write param, m, v.
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+
+
+@dataclass
+class GemmTimes:
+    fwd: np.ndarray
+    dgrad: np.ndarray  # dI = dO W^T
+    wgrad: np.ndarray  # dW = I^T dO
+    extrapolated: np.ndarray
+
+
+def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuning: bool) -> GemmTimes:
+    """Local GEMMs of one layer: [T, k/g_in] x [k/g_in, n/g_out] and its two backward products."""
+    ax_in, _ = linear_axes(lin)
+    g_in, g_out = (gx, gy) if ax_in == "x" else (gy, gx)
+    k = lin.k // g_in
+    n = lin.n // g_out
+    lay = (None, None, None) if tuning else ("NN", "NT", "TN")
+    f, e1 = profile.gemm_seconds(tokens, n, k, lay[0])
+    d, e2 = profile.gemm_seconds(tokens, k, n, lay[1])
+    w, e3 = profile.gemm_seconds(k, n, tokens, lay[2])
+    return GemmTimes(f, d, w, e1 | e2 | e3)
+
+
+def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of the local attention over n_heads/gy heads."""
+    flop = 4.0 * micro_batch * seq_len * seq_len * model.head_dim * (model.n_heads // gy)
+    if profile.attn_causal_skip:
+        flop = flop / 2
+    fwd = flop / (profile.attn_flops * profile.corrections.gemm_scale)
+    return fwd, fwd * profile.attn_bwd_factor
+
+
+def elementwise_bytes_fwd(model: ModelSpec, gx, gy, tokens, dtype_bytes: int) -> np.ndarray:
+    """Bytes moved by the non-GEMM work of one block's forward: two norms (read twice, write once),
+    two residual adds, the activation, rotary embedding where used."""
+    h_x = model.hidden / gx
+    per_token = 2 * 3 * h_x + 2 * 3 * h_x
+    per_token = per_token + (3 if model.mlp == "swiglu" else 2) * model.ffn / gy
+    if model.position == "rope":
+        per_token = per_token + 2 * (model.qkv_out - model.kv_heads * model.head_dim) / gy
+    return tokens * per_token * dtype_bytes
+
+
+def elementwise_seconds(profile: MachineProfile, nbytes) -> np.ndarray:
+    bw = profile.mem_bandwidth * profile.elementwise_efficiency * profile.corrections.elementwise_scale
+    return np.asarray(nbytes, dtype=np.float64) / bw
+
+
+def loss_elementwise_bytes(model: ModelSpec, gy, tokens) -> np.ndarray:
+    """Vocabulary-parallel softmax cross-entropy on fp32 logits: max, exp-sum, gradient."""
+    return tokens * (model.padded_vocab / gy) * 4 * 5
+
+
+def optimizer_seconds(profile: MachineProfile, shard_elements, n_weights: int) -> np.ndarray:
+    return (elementwise_seconds(profile, shard_elements * OPTIMIZER_BYTES_PER_ELEMENT)
+            + n_weights * KERNELS_PER_LINEAR_STEP * profile.kernel_overhead)

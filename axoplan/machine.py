@@ -1,0 +1,525 @@
+"""MachineProfile: what one machine can do, loaded from a sourced YAML (schema: machine_profiles/README.md).
+
+Inside this module and the cost model everything is SI: seconds, bytes, bytes/s, FLOP/s.
+The YAML speaks GB/s, TFLOP/s, GiB and microseconds for people.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .errors import UserError
+
+GB = 1e9
+GIB = 2**30
+TFLOP = 1e12
+US = 1e-6
+LAYOUTS = ("NN", "NT", "TN")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+SCHEMA = "axoplan-profile/1"
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """Multiplicative corrections fitted by `axoplan refit`; identity by default."""
+
+    gemm_scale: float = 1.0
+    elementwise_scale: float = 1.0
+    intra_bw_scale: float = 1.0
+    inter_bw_scale: float = 1.0
+    latency_scale: float = 1.0
+    step_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    """Measured GEMM times: a full cartesian grid (interpolated in log space) plus exact extra shapes."""
+
+    m: np.ndarray  # grid values, ascending
+    n: np.ndarray
+    k: np.ndarray
+    log_tput: dict  # layout -> array [len(m), len(n), len(k)] of log(FLOP/s)
+    exact: dict  # (m, n, k) -> {layout: seconds}
+    path: str = ""
+
+    @property
+    def swappable(self) -> bool:
+        return self.m.shape == self.n.shape and bool(np.all(self.m == self.n))
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    name: str
+    description: str
+    device: str
+    dtype: str
+    gpus_per_node: int
+    mem_capacity: float  # bytes per GPU
+    mem_headroom: float  # bytes
+    mem_bandwidth: float  # bytes/s
+    elementwise_efficiency: float
+    peak_flops: float
+    kernel_overhead: float  # s per kernel
+    gemm_ceiling: float  # FLOP/s
+    gemm_dim_half: float
+    attn_flops: float
+    attn_causal_skip: bool
+    attn_bwd_factor: float
+    intra_latency: float  # s per ring step
+    intra_groups: tuple  # ((size, stride, busbw bytes/s), ...)
+    inter_busbw: float  # bytes/s of one ring leaving a node
+    inter_latency: float  # s per ring step
+    coll_bw_scale: dict = field(default_factory=lambda: {c: 1.0 for c in COLLECTIVES})
+    coll_lat_scale: dict = field(default_factory=lambda: {c: 1.0 for c in COLLECTIVES})
+    corrections: Corrections = field(default_factory=Corrections)
+    gemm_table: GemmTable | None = None
+    path: str | None = None
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- for people ---------------------------------------------------------------
+    @property
+    def peak_tflops(self) -> float:
+        return self.peak_flops / TFLOP
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def blas_tuning(self) -> bool:
+        """The trainer tunes GEMM layouts on GPUs (bf16) and not on CPU (fp32), by default."""
+        return self.dtype != "fp32"
+
+    def replace(self, **kw) -> "MachineProfile":
+        return dataclasses.replace(self, **kw)
+
+    def with_corrections(self, **kw) -> "MachineProfile":
+        return dataclasses.replace(self, corrections=dataclasses.replace(self.corrections, **kw))
+
+    # ---- bandwidth of a placed group -----------------------------------------------
+    def intra_busbw(self, size: int, stride: int) -> float:
+        """Bus bandwidth (bytes/s) of a group inside one node, all such groups busy at once."""
+        rows = self.intra_groups
+        exact = [bw for (s, st, bw) in rows if s == size and st == stride]
+        if exact:
+            return exact[0]
+        same = [(abs(np.log2(st) - np.log2(stride)), bw) for (s, st, bw) in rows if s == size]
+        if same:
+            return min(same)[1]
+        base = sorted((s, bw) for (s, st, bw) in rows if st == 1) or sorted((s, bw) for (s, st, bw) in rows)
+        sizes = np.log2([s for s, _ in base])
+        bws = np.log([bw for _, bw in base])
+        return float(np.exp(np.interp(np.log2(size), sizes, bws)))
+
+    def group_busbw(self, size, stride) -> np.ndarray:
+        """Bus bandwidth (bytes/s) for groups of `size` members `stride` ranks apart, vectorised.
+
+        Inside a node (stride*size divides gpus_per_node): the intra-node table. Across nodes:
+        the rings of all `min(stride, gpus_per_node)` groups that leave a node at once share its
+        inter-node bandwidth (AxoNN's model, reference §3).
+        """
+        size = np.asarray(size, dtype=np.int64)
+        stride = np.asarray(stride, dtype=np.int64)
+        n = self.gpus_per_node
+        span = size * stride
+        inside = (span <= n) & (n % np.maximum(span, 1) == 0)
+        out = np.empty(np.broadcast(size, stride).shape, dtype=np.float64)
+        size_b, stride_b = np.broadcast_arrays(size, stride)
+        inter = self.inter_busbw * self.corrections.inter_bw_scale / np.minimum(stride_b, n)
+        out[...] = inter
+        if np.any(inside):
+            pairs = np.stack([size_b[inside], stride_b[inside]], axis=-1)
+            uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
+            vals = np.array([self.intra_busbw(int(s), int(st)) for s, st in uniq]) * self.corrections.intra_bw_scale
+            out[inside] = vals[inv.reshape(-1)]
+        out[size_b <= 1] = np.inf
+        return out
+
+    def group_latency(self, size, stride) -> np.ndarray:
+        """Latency per ring step (s) of a placed group."""
+        size = np.asarray(size, dtype=np.int64)
+        stride = np.asarray(stride, dtype=np.int64)
+        n = self.gpus_per_node
+        span = size * stride
+        inside = (span <= n) & (n % np.maximum(span, 1) == 0)
+        return np.where(inside, self.intra_latency, self.inter_latency) * self.corrections.latency_scale
+
+    # ---- GEMM time -------------------------------------------------------------------
+    def gemm_seconds(self, m, n, k, layout: str | None = None):
+        """Seconds of C[m,n] = A[m,k] @ B[k,n] (no launch overhead), and whether each shape was extrapolated.
+
+        layout None: the best of every layout and of both forms (C = AB and C^T = B^T A^T), as the
+        trainer's BLAS tuning picks; otherwise the given layout of the direct form.
+        """
+        m, n, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(n, np.float64), np.asarray(k, np.float64))
+        shape = m.shape
+        flop = 2.0 * m * n * k
+        scale = self.corrections.gemm_scale
+        if self.gemm_table is None:
+            d = self.gemm_dim_half
+            eff = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
+            t_compute = flop / (self.gemm_ceiling * eff * scale)
+            t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
+            return np.maximum(t_compute, t_memory), np.zeros(shape, dtype=bool)
+        tab = self.gemm_table
+        pts = np.stack([m.ravel(), n.ravel(), k.ravel()], axis=-1)
+        uniq, inv = np.unique(pts, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        t_u, ext_u = _table_lookup(tab, uniq, layout)
+        return (t_u[inv] / scale).reshape(shape), ext_u[inv].reshape(shape)
+
+
+def _interp_log_tput(tab: GemmTable, lm, ln, lk, grid):
+    """Trilinear interpolation of log throughput on the log2 grid; coordinates already clamped."""
+    out = []
+    idx, wts = [], []
+    for vals, x in ((tab.m, lm), (tab.n, ln), (tab.k, lk)):
+        g = np.log2(vals)
+        if len(g) == 1:
+            i = np.zeros_like(x, dtype=np.int64)
+            w = np.zeros_like(x)
+        else:
+            i = np.clip(np.searchsorted(g, x, side="right") - 1, 0, len(g) - 2)
+            w = (x - g[i]) / (g[i + 1] - g[i])
+        idx.append(i)
+        wts.append(w)
+    res = np.zeros_like(lm)
+    for dm in (0, 1):
+        for dn in (0, 1):
+            for dk in (0, 1):
+                im = np.minimum(idx[0] + dm, grid.shape[0] - 1)
+                in_ = np.minimum(idx[1] + dn, grid.shape[1] - 1)
+                ik = np.minimum(idx[2] + dk, grid.shape[2] - 1)
+                w = (wts[0] if dm else 1 - wts[0]) * (wts[1] if dn else 1 - wts[1]) * (wts[2] if dk else 1 - wts[2])
+                res += w * grid[im, in_, ik]
+    return res
+
+
+def _table_lookup(tab: GemmTable, shapes: np.ndarray, layout: str | None):
+    m, n, k = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+    flop = 2.0 * m * n * k
+    forms = [(m, n, k)]
+    if layout is None and tab.swappable:
+        forms.append((n, m, k))
+    layouts = LAYOUTS if layout is None else (layout,)
+    best = np.full(len(m), np.inf)
+    ext = np.zeros(len(m), dtype=bool)
+    for (a, b, c) in forms:
+        la, lb, lc = np.log2(a), np.log2(b), np.log2(c)
+        outside = np.zeros(len(m), dtype=bool)
+        clamped = []
+        for vals, x in ((tab.m, la), (tab.n, lb), (tab.k, lc)):
+            lo, hi = np.log2(vals[0]), np.log2(vals[-1])
+            outside |= (x < lo - 1e-9) | (x > hi + 1e-9)
+            clamped.append(np.clip(x, lo, hi))
+        for lay in layouts:
+            if lay not in tab.log_tput:
+                continue
+            t = flop / np.exp(_interp_log_tput(tab, *clamped, tab.log_tput[lay]))
+            better = t < best
+            best = np.where(better, t, best)
+            ext = np.where(better, outside, ext)
+    if tab.exact:
+        for i, (a, b, c) in enumerate(shapes):
+            hit = tab.exact.get((int(a), int(b), int(c)))
+            if hit:
+                cands = [hit[l] for l in layouts if l in hit]
+                if layout is None and tab.swappable:
+                    other = tab.exact.get((int(b), int(a), int(c)), {})
+                    cands += list(other.values())
+                if cands:
+                    best[i] = min(cands)
+                    ext[i] = False
+    return best, ext
+
+
+# ---- loading ---------------------------------------------------------------------------
+def _bundled_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("AXOPLAN_PROFILES")
+    if env:
+        dirs += [Path(p) for p in env.split(os.pathsep) if p]
+    dirs.append(Path.cwd() / "machine_profiles")
+    dirs.append(Path(__file__).resolve().parent.parent / "machine_profiles")
+    dirs.append(Path(sys.prefix) / "share" / "axoplan" / "machine_profiles")
+    seen, out = set(), []
+    for d in dirs:
+        if d.is_dir() and d.resolve() not in seen:
+            seen.add(d.resolve())
+            out.append(d)
+    return out
+
+
+def profile_paths() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in _bundled_dirs():
+        for p in sorted(d.glob("*.yaml")):
+            found.setdefault(p.stem, p)
+    return found
+
+
+def profile_names() -> list[str]:
+    return sorted(profile_paths())
+
+
+class _Reader:
+    """Reads numbers with their sources, naming the file and field in every error."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, path: str, msg: str):
+        raise UserError(f"{self.where}: field '{path}' {msg}")
+
+    def section(self, d: dict, key: str, path: str = "", required: bool = True) -> dict:
+        full = f"{path}.{key}" if path else key
+        v = d.get(key)
+        if v is None:
+            if required:
+                self.fail(full, "is missing")
+            return {}
+        if not isinstance(v, dict):
+            self.fail(full, "must be a mapping")
+        return v
+
+    def num(self, d: dict, key: str, path: str = "", default: float | None = None, positive: bool = True,
+            allow_zero: bool = False) -> float:
+        full = f"{path}.{key}" if path else key
+        if key not in d or d[key] is None:
+            if default is not None:
+                return default
+            self.fail(full, "is missing")
+        v = d[key]
+        if isinstance(v, dict):
+            if "value" not in v:
+                self.fail(full, "must be a number or {value: ..., source: ...}")
+            v = v["value"]  # sources were checked for the whole file by _check_all_numbers_sourced
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.fail(full, f"must be a number, got {v!r}")
+        v = float(v)
+        if not np.isfinite(v) or v < 0 or (positive and not allow_zero and v == 0):
+            self.fail(full, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
+        return v
+
+
+def _has_source(d: dict) -> bool:
+    s = d.get("source")
+    return isinstance(s, str) and s.strip() != ""
+
+
+def _check_all_numbers_sourced(node: Any, path: str, rd: _Reader, inherited: bool = False):
+    """No number anywhere (outside `calibration`) may lack a source: a bare number is covered by the
+    `source` of the mapping it sits in or of an enclosing section ({value: X, source: ...} is the
+    one-number case). The file's top-level `source`, if any, covers nothing: too coarse to be useful."""
+    if isinstance(node, dict):
+        sourced = inherited or (bool(path) and _has_source(node))
+        for k, v in node.items():
+            if k in ("calibration", "schema"):
+                continue
+            p = f"{path}.{k}" if path else str(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if not sourced:
+                    rd.fail(p, "has no source (every number in a profile needs one)")
+            else:
+                _check_all_numbers_sourced(v, p, rd, sourced)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            p = f"{path}[{i}]"
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not inherited:
+                rd.fail(p, "has no source (every number in a profile needs one)")
+            _check_all_numbers_sourced(v, p, rd, inherited)
+
+
+def _load_gemm_table(path: Path, rd: _Reader) -> GemmTable:
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        rd.fail("compute.gemm.table.path", f"names '{path}', which cannot be read ({e.strerror or e})")
+    need = {"m", "n", "k", "layout", "seconds"}
+    if not rows or not need <= set(rows[0]):
+        rd.fail("compute.gemm.table.path", f"'{path}' needs columns {', '.join(sorted(need))}")
+    data: dict = {}
+    for r in rows:
+        try:
+            key = (int(float(r["m"])), int(float(r["n"])), int(float(r["k"])))
+            sec = float(r["seconds"])
+        except ValueError:
+            rd.fail("compute.gemm.table.path", f"'{path}' has a non-numeric row: {r}")
+        lay = r["layout"].strip().upper()
+        if lay not in LAYOUTS or sec <= 0:
+            continue
+        slot = data.setdefault(key, {})
+        slot[lay] = min(sec, slot.get(lay, np.inf))
+    # The cartesian grid: drop the axis value with the poorest coverage until the product is complete.
+    vals = [sorted({s[i] for s in data}) for i in range(3)]
+    while True:
+        total = len(vals[0]) * len(vals[1]) * len(vals[2])
+        present = {s for s in data if s[0] in vals[0] and s[1] in vals[1] and s[2] in vals[2]}
+        if len(present) == total or total == 0:
+            break
+        worst, worst_cov = None, 2.0
+        for ax in range(3):
+            for v in vals[ax]:
+                others = total // len(vals[ax])
+                cov = sum(1 for s in present if s[ax] == v) / others
+                if cov < worst_cov:
+                    worst, worst_cov = (ax, v), cov
+        vals[worst[0]].remove(worst[1])
+    if any(len(v) == 0 for v in vals):
+        rd.fail("compute.gemm.table.path", f"'{path}' holds no complete cartesian grid of m, n, k")
+    grid_m, grid_n, grid_k = (np.array(v, dtype=np.float64) for v in vals)
+    log_tput = {}
+    for lay in LAYOUTS:
+        arr = np.empty((len(grid_m), len(grid_n), len(grid_k)))
+        ok = True
+        for i, a in enumerate(vals[0]):
+            for j, b in enumerate(vals[1]):
+                for l, c in enumerate(vals[2]):
+                    sec = data[(a, b, c)].get(lay)
+                    if sec is None:
+                        ok = False
+                        break
+                    arr[i, j, l] = np.log(2.0 * a * b * c / sec)
+        if ok:
+            log_tput[lay] = arr
+    if not log_tput:
+        rd.fail("compute.gemm.table.path", f"'{path}' has no layout measured on the whole grid")
+    grid_set = {(a, b, c) for a in vals[0] for b in vals[1] for c in vals[2]}
+    exact = {s: v for s, v in data.items() if s not in grid_set}
+    return GemmTable(grid_m, grid_n, grid_k, log_tput, exact, str(path))
+
+
+def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> MachineProfile:
+    rd = _Reader(where)
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: expected a mapping at the top level")
+    schema = d.get("schema", SCHEMA)
+    if schema != SCHEMA:
+        rd.fail("schema", f"must be '{SCHEMA}', got {schema!r}")
+    for key in ("name",):
+        if not isinstance(d.get(key), str) or not d.get(key):
+            rd.fail(key, "must be a non-empty string")
+    dtype = d.get("dtype", "bf16")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        rd.fail("dtype", f"must be bf16, fp16 or fp32, got {dtype!r}")
+    _check_all_numbers_sourced(d, "", rd)
+
+    gpn = rd.num(d, "gpus_per_node")
+    if gpn != int(gpn):
+        rd.fail("gpus_per_node", "must be an integer")
+    mem = rd.section(d, "memory")
+    comp = rd.section(d, "compute")
+    gemm = rd.section(comp, "gemm", "compute")
+    attn = rd.section(comp, "attention", "compute")
+    net = rd.section(d, "network")
+    intra = rd.section(net, "intra_node", "network")
+    inter = rd.section(net, "inter_node", "network")
+    colls = rd.section(net, "collectives", "network", required=False)
+    corr = rd.section(d, "corrections", required=False)
+
+    groups = intra.get("groups")
+    if not isinstance(groups, list) or not groups:
+        rd.fail("network.intra_node.groups", "must be a non-empty list of {size, stride, busbw_gbs, source}")
+    parsed_groups = []
+    for i, g in enumerate(groups):
+        p = f"network.intra_node.groups[{i}]"
+        if not isinstance(g, dict):
+            rd.fail(p, "must be a mapping {size, stride, busbw_gbs, source}")
+        size, stride = rd.num(g, "size", p), rd.num(g, "stride", p, default=1.0)
+        if size != int(size) or stride != int(stride) or size < 2:
+            rd.fail(p, "size and stride must be integers, size >= 2")
+        parsed_groups.append((int(size), int(stride), rd.num(g, "busbw_gbs", p) * GB))
+
+    bw_scale, lat_scale = {}, {}
+    for c in COLLECTIVES:
+        cd = colls.get(c) or {}
+        if cd and not isinstance(cd, dict):
+            rd.fail(f"network.collectives.{c}", "must be a mapping {bandwidth_scale, latency_scale}")
+        bw_scale[c] = rd.num(cd, "bandwidth_scale", f"network.collectives.{c}", default=1.0)
+        lat_scale[c] = rd.num(cd, "latency_scale", f"network.collectives.{c}", default=1.0, allow_zero=True)
+
+    corrections = Corrections(**{
+        f.name: rd.num(corr, f.name, "corrections", default=f.default, allow_zero=True)
+        for f in dataclasses.fields(Corrections)
+    }) if corr else Corrections()
+
+    table = None
+    tab = gemm.get("table")
+    if tab:
+        if not isinstance(tab, dict) or not isinstance(tab.get("path"), str):
+            rd.fail("compute.gemm.table", "must be {path: FILE.csv, source: ...}")
+        if not _has_source(tab):
+            rd.fail("compute.gemm.table", "has no source (name the calibration run)")
+        tp = Path(tab["path"])
+        if not tp.is_absolute():
+            tp = (base_dir or Path.cwd()) / tp
+        table = _load_gemm_table(tp, rd)
+
+    causal = attn.get("causal_skip", True)
+    if not isinstance(causal, bool):
+        rd.fail("compute.attention.causal_skip", "must be true or false")
+
+    return MachineProfile(
+        name=d["name"],
+        description=str(d.get("description", "")),
+        device=str(d.get("device", "")),
+        dtype=dtype,
+        gpus_per_node=int(gpn),
+        mem_capacity=rd.num(mem, "capacity_gib", "memory") * GIB,
+        mem_headroom=rd.num(mem, "headroom_gib", "memory", default=0.0, allow_zero=True) * GIB,
+        mem_bandwidth=rd.num(mem, "bandwidth_gbs", "memory") * GB,
+        elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
+        peak_flops=rd.num(comp, "peak_tflops", "compute") * TFLOP,
+        kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
+        gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
+        gemm_dim_half=rd.num(gemm, "dim_half", "compute.gemm", default=0.0, allow_zero=True),
+        attn_flops=rd.num(attn, "tflops", "compute.attention") * TFLOP,
+        attn_causal_skip=causal,
+        attn_bwd_factor=rd.num(attn, "backward_factor", "compute.attention", default=2.5),
+        intra_latency=rd.num(intra, "latency_us", "network.intra_node", allow_zero=True) * US,
+        intra_groups=tuple(parsed_groups),
+        inter_busbw=rd.num(inter, "busbw_gbs", "network.inter_node") * GB,
+        inter_latency=rd.num(inter, "latency_us", "network.inter_node", allow_zero=True) * US,
+        coll_bw_scale=bw_scale,
+        coll_lat_scale=lat_scale,
+        corrections=corrections,
+        gemm_table=table,
+        path=None,
+        raw=d,
+    )
+
+
+def load_profile(name_or_path: str | MachineProfile) -> MachineProfile:
+    """A bundled profile name (see `axoplan profiles`) or a path to a profile YAML."""
+    if isinstance(name_or_path, MachineProfile):
+        return name_or_path
+    s = str(name_or_path)
+    p = Path(s)
+    if not (s.endswith((".yaml", ".yml")) or p.exists()):
+        paths = profile_paths()
+        if s not in paths:
+            raise UserError(f"unknown machine '{s}'; known profiles: {', '.join(sorted(paths)) or 'none'} "
+                            f"(or give a YAML path)")
+        p = paths[s]
+    where = f"machine profile '{p}'"
+    if not p.is_file():
+        raise UserError(f"machine profile '{s}' does not exist")
+    try:
+        d = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read {where}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{where}: malformed YAML{at}") from None
+    prof = profile_from_dict(d, where, base_dir=p.parent)
+    return dataclasses.replace(prof, path=str(p))

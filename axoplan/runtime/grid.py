@@ -1,0 +1,112 @@
+"""Rank placement and process groups of the 4D grid (data x Z x Y x X).
+
+Placement follows the planner's contract: `order` names x, y, z innermost first and data is
+always outermost, so for order "xyz" world_rank = x + gx*(y + gy*(z + gz*d)).
+Along any single axis the world rank grows with that axis' coordinate, so the rank inside a
+one-axis group equals the coordinate on that axis (the flat Z shards rely on it).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+AXES = ("x", "y", "z", "d")
+
+
+@dataclass(frozen=True)
+class Coords:
+    x: int
+    y: int
+    z: int
+    d: int
+
+
+def _sizes(gx: int, gy: int, gz: int, gdata: int, order: str) -> list[tuple[str, int]]:
+    size = {"x": gx, "y": gy, "z": gz}
+    return [(a, size[a]) for a in order] + [("d", gdata)]
+
+
+def rank_of(c: Coords, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> int:
+    rank, stride = 0, 1
+    for axis, n in _sizes(gx, gy, gz, gdata, order):
+        rank += getattr(c, axis) * stride
+        stride *= n
+    return rank
+
+
+def coords_of(rank: int, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> Coords:
+    vals = {}
+    for axis, n in _sizes(gx, gy, gz, gdata, order):
+        vals[axis] = rank % n
+        rank //= n
+    return Coords(**vals)
+
+
+@dataclass
+class ParallelGrid:
+    """This rank's coordinates and its process groups (None where a group has one member)."""
+
+    gx: int
+    gy: int
+    gz: int
+    gdata: int
+    order: str
+    rank: int
+    coords: Coords
+    groups: dict[str, Any] = field(default_factory=dict)  # "x", "y", "z", "d", "zd"
+    _owned: list = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.gx * self.gy * self.gz * self.gdata
+
+    def size_of(self, axis: str) -> int:
+        return {"x": self.gx, "y": self.gy, "z": self.gz, "d": self.gdata, "zd": self.gz * self.gdata}[axis]
+
+    def group(self, axis: str):
+        return self.groups.get(axis)
+
+    def destroy(self) -> None:
+        """Release the sub-groups (tests build one grid after another in the same world)."""
+        for g in self._owned:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # already gone with the world: nothing to release
+                pass
+        self._owned.clear()
+        self.groups.clear()
+
+
+def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> ParallelGrid:
+    """Create every one-axis group (and the Z x D group for replicated parameters) on all ranks.
+
+    torch requires every rank to take part in creating every group, in the same order.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if gx * gy * gz * gdata != world:
+        raise ValueError(f"grid {gx}x{gy}x{gz}x{gdata} does not match world size {world}")
+    me = coords_of(rank, gx, gy, gz, gdata, order)
+    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me)
+    sizes = {"x": gx, "y": gy, "z": gz, "d": gdata}
+    for name, varying in (("x", ("x",)), ("y", ("y",)), ("z", ("z",)), ("d", ("d",)), ("zd", ("z", "d"))):
+        n = 1
+        for a in varying:
+            n *= sizes[a]
+        if n == 1:
+            continue
+        fixed = [a for a in AXES if a not in varying]
+        for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
+            members = []
+            for var_vals in itertools.product(*(range(sizes[a]) for a in varying)):
+                c = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
+                members.append(rank_of(Coords(**c), gx, gy, gz, gdata, order))
+            members.sort()
+            g = dist.new_group(members)
+            grid._owned.append(g)
+            if rank in members:
+                grid.groups[name] = g
+    return grid

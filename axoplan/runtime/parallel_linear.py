@@ -1,0 +1,246 @@
+"""Agarwal's 3D-parallel linear layer as AxoNN runs it, with explicit collectives.
+
+Normal layer O = I·W, W [k, n]: I is [T, k/gx] (replicated over Y), this rank owns the block
+W[k/gx slice of x, n/gy slice of y], flattened and split into gz equal flat shards.
+  forward : all-gather W over Z, local GEMM, all-reduce O over X      -> O [T, n/gy]
+  backward: all-gather W over Z (or reuse the one kept by the recompute), dI = dO·Wᵀ and
+            all-reduce over Y (OAR: async under the dW GEMM), dW = Iᵀ·dO reduce-scatter over Z
+            (ORS: async, all waited at the end of the micro-batch's backward)
+The transposed layer swaps X and Y. The gradient shards accumulate over micro-batches; the
+data-parallel all-reduce of all shards happens once per step (Runtime.reduce_gradients).
+OAG: the weight all-gathers of one micro-batch follow a sequence known in advance (forward,
+recompute, backward), so each `gather` launches the next one asynchronously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .blas_tuning import GemmTuner
+from .grid import ParallelGrid
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ShardedWeight:
+    """A [rows, cols] block of a full weight, stored as this rank's flat Z shard (fp32 master copy).
+
+    `row_axis`/`col_axis` name the grid axes that pick the block ("x" or "y"); `rows`/`cols`
+    are the index tensors of the full weight that make up this rank's block.
+    """
+
+    def __init__(self, name: str, full_shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor,
+                 gz: int, z: int, device):
+        self.name = name
+        self.full_shape = full_shape
+        self.rows, self.cols = rows, cols
+        self.shape = (len(rows), len(cols))
+        self.numel = self.shape[0] * self.shape[1]
+        self.shard_len = -(-self.numel // gz)  # pad the flat block so gz need not divide it
+        self.gz, self.z = gz, z
+        self.param = torch.nn.Parameter(torch.zeros(self.shard_len, device=device))
+        self.param._axoplan_name = name
+
+    def set_from_full(self, full: torch.Tensor) -> None:
+        block = full.to(self.param.device, torch.float32)[self.rows][:, self.cols].reshape(-1)
+        self.set_from_block(block)
+
+    def set_from_block(self, flat_block: torch.Tensor) -> None:
+        padded = torch.zeros(self.shard_len * self.gz, device=self.param.device)
+        padded[: self.numel] = flat_block
+        with torch.no_grad():
+            self.param.copy_(padded[self.z * self.shard_len:(self.z + 1) * self.shard_len])
+
+
+@dataclass
+class _Pending:
+    work: object
+    buf: torch.Tensor
+
+
+class Runtime:
+    """Per-model state of the parallel execution: grid, dtypes, overlap flags, prefetch and the
+    pending reduce-scatters. One object is shared by all layers of a model."""
+
+    def __init__(self, grid: ParallelGrid, *, compute_dtype=torch.float32, collective_dtype=torch.float32,
+                 overlap_all_reduce=True, overlap_reduce_scatter=True, overlap_all_gather=True,
+                 blas_tuning=False):
+        self.grid = grid
+        self.cdt = compute_dtype
+        self.coll = collective_dtype
+        self.oar, self.ors, self.oag = overlap_all_reduce, overlap_reduce_scatter, overlap_all_gather
+        self.tuner = GemmTuner(blas_tuning)
+        self.keep_gathered = False  # True while a checkpointed block recomputes its forward
+        self._seq: list[ShardedWeight] = []
+        self._cursor = 0
+        self._prefetched: tuple[int, torch.Tensor, object] | None = None
+        self._pending_rs: list[tuple[ShardedWeight, _Pending]] = []
+        self.sequence_misses = 0  # gathers that did not follow the announced sequence (a bug if > 0)
+        self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+    # ---- collectives -----------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, axis: str, async_op=False, op=dist.ReduceOp.SUM):
+        g = self.grid.group(axis)
+        if g is None:
+            return None
+        self.counts["all_reduce"] += 1
+        if t.dtype != self.coll and t.is_floating_point() and op == dist.ReduceOp.SUM:
+            # reduce in the collective dtype, hand back in the tensor's own dtype
+            tmp = t.to(self.coll)
+            work = dist.all_reduce(tmp, op=op, group=g, async_op=True)
+            return _CastBack(work, tmp, t) if async_op else _CastBack(work, tmp, t).wait()
+        return dist.all_reduce(t, op=op, group=g, async_op=async_op)
+
+    # ---- weight all-gather with prefetch (OAG) --------------------------------------------
+    def start_sequence(self, seq: list[ShardedWeight]) -> None:
+        """Announce the order of weight gathers of the coming forward/backward."""
+        self._seq, self._cursor, self._prefetched = list(seq), 0, None
+
+    def _launch_gather(self, w: ShardedWeight):
+        if self.grid.gz == 1:
+            return w.param.detach(), None
+        out = torch.empty(w.shard_len * w.gz, dtype=self.coll, device=w.param.device)
+        self.counts["all_gather"] += 1
+        work = _all_gather(out, w.param.detach().to(self.coll), group=self.grid.group("z"), async_op=True)
+        return out, work
+
+    def gather(self, w: ShardedWeight) -> torch.Tensor:
+        """The full block of `w` as [rows, cols] in the compute dtype."""
+        flat = None
+        if self._cursor < len(self._seq) and self._seq[self._cursor] is w:
+            if self._prefetched is not None and self._prefetched[0] == self._cursor:
+                _, flat, work = self._prefetched
+                if work is not None:
+                    work.wait()
+            self._prefetched = None
+            self._cursor += 1
+            if self.oag and self._cursor < len(self._seq):
+                nxt = self._seq[self._cursor]
+                self._prefetched = (self._cursor, *self._launch_gather(nxt))
+        else:
+            self.sequence_misses += 1
+        if flat is None:
+            flat, work = self._launch_gather(w)
+            if work is not None:
+                work.wait()
+        return flat[: w.numel].view(w.shape).to(self.cdt)
+
+    # ---- gradient reduce-scatter (ORS) ---------------------------------------------------
+    def reduce_scatter_grad(self, w: ShardedWeight, dw: torch.Tensor) -> None:
+        flat = dw.reshape(-1)
+        if w.shard_len * w.gz != w.numel:
+            flat = torch.nn.functional.pad(flat, (0, w.shard_len * w.gz - w.numel))
+        if self.grid.gz == 1:
+            self._accumulate(w, flat)
+            return
+        flat = flat.to(self.coll).contiguous()
+        out = torch.empty(w.shard_len, dtype=self.coll, device=flat.device)
+        self.counts["reduce_scatter"] += 1
+        work = _reduce_scatter(out, flat, group=self.grid.group("z"), async_op=True)
+        if self.ors:
+            self._pending_rs.append((w, _Pending(work, out)))
+        else:
+            work.wait()
+            self._accumulate(w, out)
+
+    @staticmethod
+    def _accumulate(w: ShardedWeight, g: torch.Tensor) -> None:
+        w.param.grad.add_(g.to(w.param.grad.dtype))
+
+    def finish_backward(self) -> None:
+        """End of one micro-batch's backward: collect the outstanding reduce-scatters."""
+        for w, p in self._pending_rs:
+            p.work.wait()
+            self._accumulate(w, p.buf)
+        self._pending_rs.clear()
+        if self._prefetched is not None and self._prefetched[2] is not None:
+            self._prefetched[2].wait()  # a prefetch nobody used: never leave a collective dangling
+        self._prefetched = None
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.tuner.mm(a, b)
+
+
+class _CastBack:
+    """Async all-reduce done in another dtype: copy the result back into the original tensor."""
+
+    def __init__(self, work, tmp, dst):
+        self.work, self.tmp, self.dst = work, tmp, dst
+
+    def wait(self):
+        self.work.wait()
+        self.dst.copy_(self.tmp)
+        return None
+
+
+@dataclass
+class LinearSpec:
+    """Which grid axis splits the in- and out-features (normal: x, y; transposed: y, x)."""
+
+    in_axis: str
+    out_axis: str
+    weight: ShardedWeight = field(repr=False)
+
+
+class _ParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, layer: LinearSpec, rt: Runtime):
+        w = rt.gather(layer.weight)
+        out = rt.mm(x, w).contiguous()
+        rt.all_reduce(out, layer.out_axis)
+        ctx.layer, ctx.rt = layer, rt
+        # under recompute the gathered weight is kept for this block's backward: no second gather
+        ctx.save_for_backward(x, w if rt.keep_gathered else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w = ctx.saved_tensors
+        rt, layer = ctx.rt, ctx.layer
+        if w is None:
+            w = rt.gather(layer.weight)
+        dout = dout.contiguous()
+        dx = rt.mm(dout, w.t()).contiguous()
+        handle = rt.all_reduce(dx, layer.in_axis, async_op=rt.oar)
+        dw = rt.mm(x.t(), dout)  # OAR: runs while the dI all-reduce is in flight
+        if handle is not None:
+            handle.wait()
+        rt.reduce_scatter_grad(layer.weight, dw)
+        return dx, None, None, None
+
+
+def parallel_linear(x: torch.Tensor, layer: LinearSpec, rt: Runtime) -> torch.Tensor:
+    return _ParallelLinearFn.apply(x, layer.weight.param, layer, rt)
+
+
+class _ParallelEmbeddingFn(torch.autograd.Function):
+    """Vocab-parallel (over Y), hidden over X, weight flat-sharded over Z like a linear layer.
+    Backward needs no weight, so only the forward gathers it."""
+
+    @staticmethod
+    def forward(ctx, ids, shard, weight: ShardedWeight, lo: int, rt: Runtime):
+        w = rt.gather(weight)  # [Vp/gy, H/gx]
+        local = ids - lo
+        inside = (local >= 0) & (local < w.shape[0])
+        idx = torch.where(inside, local, torch.zeros_like(local))
+        out = w[idx] * inside.unsqueeze(-1).to(w.dtype)
+        rt.all_reduce(out, "y")
+        ctx.save_for_backward(idx, inside)
+        ctx.weight, ctx.rt = weight, rt
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        idx, inside = ctx.saved_tensors
+        w, rt = ctx.weight, ctx.rt
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=dout.device)
+        dw.index_add_(0, idx[inside], dout[inside].float())
+        rt.reduce_scatter_grad(w, dw)
+        return None, None, None, None, None
+
+
+def parallel_embedding(ids: torch.Tensor, weight: ShardedWeight, lo: int, rt: Runtime) -> torch.Tensor:
+    return _ParallelEmbeddingFn.apply(ids, weight.param, weight, lo, rt)
