@@ -71,6 +71,7 @@ def plot_png(df: pd.DataFrame, title: str) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = df[df["feasible"].astype(bool)].sort_values("gpus")
     g = ok["gpus"].to_numpy(dtype=float)
@@ -100,6 +101,10 @@ def plot_png(df: pd.DataFrame, title: str) -> bytes:
     a2.grid(True, which="both", alpha=0.3)
     for x, y, p in zip(g, eff, ok["pflops"].to_numpy(dtype=float)):
         a2.annotate(f"{p:.3g} PF/s", (x, y), textcoords="offset points", xytext=(0, -12), fontsize=7, ha="center")
+    for ax in (a1, a2):  # tick at each planned count, written plainly (no 2x10^2 minor labels)
+        ax.set_xticks(g)
+        ax.set_xticklabels([f"{int(x)}" for x in g], rotation=45 if len(g) > 8 else 0, fontsize=8)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()

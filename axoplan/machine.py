@@ -136,10 +136,10 @@ class MachineProfile:
         inter = self.inter_busbw * self.corrections.inter_bw_scale / np.minimum(stride_b, n)
         out[...] = inter
         if np.any(inside):
-            pairs = np.stack([size_b[inside], stride_b[inside]], axis=-1)
-            uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-            vals = np.array([self.intra_busbw(int(s), int(st)) for s, st in uniq]) * self.corrections.intra_bw_scale
-            out[inside] = vals[inv.reshape(-1)]
+            # inside a node both size and stride are at most gpus_per_node: a small lookup table
+            lut = np.array([[self.intra_busbw(a, b) if a >= 2 and b >= 1 and a * b <= n else np.nan
+                             for b in range(n + 1)] for a in range(n + 1)]) * self.corrections.intra_bw_scale
+            out[inside] = lut[size_b[inside], stride_b[inside]]
         out[size_b <= 1] = np.inf
         return out
 

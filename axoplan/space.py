@@ -93,8 +93,10 @@ class Candidates:
         return len(self.gx)
 
     def take(self, idx) -> "Candidates":
-        return Candidates(*(getattr(self, f)[idx] for f in ("gx", "gy", "gz", "gdata", "order", "micro_batch",
-                                                            "checkpointing")))
+        return Candidates(*(getattr(self, f)[idx] for f in CANDIDATE_FIELDS))
+
+
+CANDIDATE_FIELDS = ("gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing")
 
 
 def micro_batch_choices(global_batch: int, max_micro_batch: int = 64) -> np.ndarray:
@@ -127,14 +129,17 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
     else:
         mbs = micro_batch_choices(global_batch, max_micro_batch)
     ck = {"both": [False, True], "on": [True], "off": [False]}[checkpointing]
-    n_base = len(gi)
-    rep = len(mbs) * len(ck)
-    base_g = np.repeat(gi, rep)
-    base_o = np.repeat(oi, rep)
-    mb = np.tile(np.repeat(mbs, len(ck)), n_base)
-    c = np.tile(np.array(ck, dtype=bool), n_base * len(mbs))
+    # checkpointing outermost: with "both" the second half repeats the first with it on, which lets the
+    # cost model evaluate everything that does not depend on it once (see costmodel.batch.evaluate)
+    base_g = np.repeat(gi, len(mbs))
+    base_o = np.repeat(oi, len(mbs)).astype(np.int8)
+    mb = np.tile(mbs, len(gi))
     g = grids[base_g]
-    return Candidates(g[:, 0].copy(), g[:, 1].copy(), g[:, 2].copy(), g[:, 3].copy(), base_o.astype(np.int8), mb, c)
+    parts = [Candidates(g[:, 0].copy(), g[:, 1].copy(), g[:, 2].copy(), g[:, 3].copy(), base_o.copy(), mb.copy(),
+                        np.full(len(mb), flag)) for flag in ck]
+    if len(parts) == 1:
+        return parts[0]
+    return Candidates(*(np.concatenate([getattr(p, f) for p in parts]) for f in CANDIDATE_FIELDS))
 
 
 # ---- divisibility: one rule set for planner and trainer -----------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..machine import MachineProfile
-from ..space import Candidates, divisibility_masks
+from ..space import CANDIDATE_FIELDS, Candidates, divisibility_masks
 from ..specs import Job, ModelSpec
 from . import comm as C
 from . import compute as K
@@ -51,7 +51,7 @@ class Evaluation:
 
 
 def _zero(n):
-    return np.zeros(n)
+    return 0.0  # a scalar broadcasts for free
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None):
@@ -98,12 +98,35 @@ def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, reco
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
              blas_tuning: bool | None = None, explain: bool = False) -> Evaluation:
-    np.seterr(divide="ignore", invalid="ignore")  # rows with a zero-sized shard are infeasible anyway
+    """Batch time, compute, communication, memory and feasibility of every candidate, as arrays."""
+    h = len(c) // 2
+    paired = (not explain and h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any()
+              and c.checkpointing[h:].all()
+              and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
+    with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
+        if not paired:
+            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain)
+        # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
+        ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
+                       False)
+
+    def flat(x):
+        return np.broadcast_to(x, (2, h)).reshape(-1)
+
+    mem = Memory(*(flat(getattr(ev.memory, f)) for f in ("states", "buffers", "activations", "logits")))
+    return Evaluation(flat(ev.batch_time), flat(ev.compute), flat(ev.comm), flat(ev.exposed_comm), mem,
+                      ev.memory_limit, flat(ev.feasible), flat(ev.reason_code), ev.reasons, flat(ev.flops_per_gpu),
+                      flat(ev.extrapolated), {})
+
+
+def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
+              blas_tuning: bool | None, explain: bool) -> Evaluation:
+    """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
     n = len(c)
     S = job.seq_len
     e = profile.dtype_bytes
-    gx, gy, gz, gd, mb, ck = c.gx, c.gy, c.gz, c.gdata, c.micro_batch, c.checkpointing
+    gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
     grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
     T = (mb * S).astype(np.float64)
     ko = profile.kernel_overhead
@@ -204,7 +227,7 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
     # ---- feasibility, first failing rule wins -----------------------------------------------
     rules = divisibility_masks(model, job.global_batch, S, c)
     reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
-    code = np.full(n, -1, dtype=np.int64)
+    code = np.full(np.broadcast(ck, gx).shape, -1, dtype=np.int64)
     for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):
         code = np.where(mask, i, code)
     feasible = code < 0

@@ -20,12 +20,29 @@ FP32 = 4
 
 @dataclass
 class Groups:
-    """Size, bus bandwidth (bytes/s) and per-step latency (s) of each axis's group, per candidate."""
+    """Per axis and candidate: group size, stride, bus bandwidth (bytes/s), latency per ring step (s),
+    and each collective's ring cost as time = nbytes * per_byte + fixed (see ring_time)."""
 
     size: dict
     stride: dict
     busbw: dict
     latency: dict
+    per_byte: dict  # (axis, kind) -> s/byte
+    fixed: dict  # (axis, kind) -> s
+
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency):
+    """Ring collectives: all-reduce moves 2(p-1)/p of the buffer in 2(p-1) steps, all-gather and
+    reduce-scatter (p-1)/p in p-1 steps (nbytes: the per-GPU buffer of an all-reduce, the full
+    gathered buffer of an all-gather, the full input of a reduce-scatter: nccl-tests conventions)."""
+    p = np.asarray(p, dtype=np.float64)
+    hops = 2.0 if kind == "all_reduce" else 1.0
+    per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
+    fixed = hops * (p - 1) * latency * profile.coll_lat_scale[kind]
+    return per_byte, fixed
 
 
 def place(profile: MachineProfile, c: Candidates) -> Groups:
@@ -34,20 +51,17 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
     stride = {"x": sx, "y": sy, "z": sz, "d": sd}
     busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
     lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
-    return Groups(size, stride, busbw, lat)
+    per_byte, fixed = {}, {}
+    for a in size:
+        for kind in KINDS:
+            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a])
+    return Groups(size, stride, busbw, lat, per_byte, fixed)
 
 
 def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency) -> np.ndarray:
-    """Seconds of one ring collective. nbytes: the per-GPU buffer of an all-reduce, the full (gathered)
-    buffer of an all-gather, the full input of a reduce-scatter (nccl-tests conventions)."""
-    p = np.asarray(p, dtype=np.float64)
-    frac = (p - 1) / np.maximum(p, 1)
-    if kind == "all_reduce":
-        vol, steps = 2 * frac * nbytes, 2 * (p - 1)
-    else:
-        vol, steps = frac * nbytes, p - 1
-    t = vol / (busbw * profile.coll_bw_scale[kind]) + steps * latency * profile.coll_lat_scale[kind]
-    return np.where(p > 1, t, 0.0)
+    """Seconds of one ring collective over a group of p (0 when p == 1)."""
+    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency)
+    return np.asarray(nbytes, dtype=np.float64) * per_byte + fixed
 
 
 @dataclass
@@ -64,8 +78,7 @@ class Collective:
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    t = ring_time(profile, kind, nbytes, g.size[axis], g.busbw[axis], g.latency[axis])
-    return Collective(layer, phase, kind, axis, nbytes, t)
+    return Collective(layer, phase, kind, axis, nbytes, nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind])
 
 
 def linear_axes(lin: LinearShape) -> tuple[str, str]:

@@ -102,7 +102,6 @@ class ParallelGPT:
                 self._set_full(name, t)
         else:
             # too big to draw whole on every rank: each block from its own seeded generator
-            from .reference import init_full_params  # noqa: F401  (same distributions, see there)
             for name, w in self.weights.items():
                 key = f"{seed}/{name}/{int(w.rows[0])}/{int(w.cols[0])}"
                 gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
@@ -135,7 +134,7 @@ class ParallelGPT:
             full = torch.zeros(shape, device=self.device)
             if name in self.weights:
                 w = self.weights[name]
-                block = self.rt.gather(w).float()
+                block = self.rt.gather_exact(w)
                 if c.z == 0 and c.d == 0:
                     full[w.rows.unsqueeze(1), w.cols.unsqueeze(0)] = block
             elif c.y == 0 and c.z == 0 and c.d == 0:

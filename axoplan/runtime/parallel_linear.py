@@ -87,7 +87,7 @@ class Runtime:
         if g is None:
             return None
         self.counts["all_reduce"] += 1
-        if t.dtype != self.coll and t.is_floating_point() and op == dist.ReduceOp.SUM:
+        if t.dtype != self.coll and t.dtype != torch.float64 and t.is_floating_point() and op == dist.ReduceOp.SUM:
             # reduce in the collective dtype, hand back in the tensor's own dtype
             tmp = t.to(self.coll)
             work = dist.all_reduce(tmp, op=op, group=g, async_op=True)
@@ -106,6 +106,14 @@ class Runtime:
         self.counts["all_gather"] += 1
         work = _all_gather(out, w.param.detach().to(self.coll), group=self.grid.group("z"), async_op=True)
         return out, work
+
+    def gather_exact(self, w: ShardedWeight) -> torch.Tensor:
+        """The fp32 master block of `w` [rows, cols], outside any announced sequence (checkpoints)."""
+        if self.grid.gz == 1:
+            return w.param.detach()[: w.numel].view(w.shape).clone()
+        out = torch.empty(w.shard_len * w.gz, device=w.param.device)
+        _all_gather(out, w.param.detach().contiguous(), group=self.grid.group("z"))
+        return out[: w.numel].view(w.shape)
 
     def gather(self, w: ShardedWeight) -> torch.Tensor:
         """The full block of `w` as [rows, cols] in the compute dtype."""

@@ -1,0 +1,205 @@
+"""`axoplan calibrate`: measure this machine with the calibration microbenchmarks and write its profile.
+
+The workers run under torchrun in a subprocess (so this process never holds a process group);
+rank 0 streams progress lines that drive the progress bar. torch is imported inside the command."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from .errors import UserError
+
+
+def _check_out(out: str | None) -> Path:
+    if not out:
+        raise UserError("--out is required: the profile to write, e.g. --out machine_profiles/mymachine.yaml")
+    p = Path(out)
+    if p.suffix not in (".yaml", ".yml"):
+        raise UserError(f"--out must name a .yaml file, got '{out}'")
+    if p.exists() and p.is_dir():
+        raise UserError(f"--out '{out}' is a folder; give a file name ending in .yaml")
+    return p
+
+
+def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, device: str, command: str,
+                 extra: list[str]) -> float:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results.mkdir(parents=True, exist_ok=True)
+    log_path = results / "worker.log"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "calibration.worker", "--results", str(results), "--device", device, "--command", command]
+    if quick:
+        args.append("--quick")
+    if models:
+        args += ["--models", models]
+    args += extra
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    t0 = time.time()
+    with open(log_path, "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
+                                              MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("starting workers", total=None)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        try:
+            for line in proc.stdout:
+                if line.startswith("AXOPLAN_PROGRESS "):
+                    _, done, total, phase = line.rstrip("\n").split(" ", 3)
+                    bar.update(task, completed=int(done), total=int(total), description=phase)
+                else:
+                    log.write(line)
+                    log.flush()
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+    if rc != 0:
+        last = _last_error_line(log_path)
+        raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
+                        f"their log is {log_path}")
+    return time.time() - t0
+
+
+def _last_error_line(log_path: Path) -> str:
+    try:
+        lines = [l.strip() for l in log_path.read_text().splitlines() if l.strip()]
+    except OSError:
+        return ""
+    for l in reversed(lines):
+        if "Error" in l and not l.startswith(("File ", "Traceback", "[rank", "torch.distributed.elastic")):
+            return l[:200]
+    return ""
+
+
+def _validate_written(built, table_rows_csv: str, profile_text: str) -> None:
+    """Load the profile with the planner's own loader before it replaces anything."""
+    try:
+        from .machine import load_profile
+    except ImportError:  # the planner's loader is not there yet: nothing to check against
+        return
+    with tempfile.TemporaryDirectory() as d:
+        name = built.profile["name"]
+        (Path(d) / built.profile["compute"]["gemm"]["table"]["path"]).write_text(table_rows_csv)
+        p = Path(d) / f"{name}.yaml"
+        p.write_text(profile_text)
+        try:
+            load_profile(str(p))
+        except UserError as e:
+            raise UserError(f"the measured profile does not pass the planner's schema check ({e})") from None
+
+
+def _print_summary(out: Path, built, wall_s: float | None) -> None:
+    s = built.summary
+    click.echo(f"wrote {out} (GEMM table {out.parent / built.profile['compute']['gemm']['table']['path']})")
+    if wall_s is not None:
+        click.echo(f"  calibration took {wall_s:.0f} s (workers {s.get('elapsed_s')} s)")
+    click.echo(f"  GEMM ceiling      {s['gemm_ceiling_tflops'] * 1e3:.1f} GFLOP/s per rank ({s['gemm_ceiling_shape']}), "
+               f"dim_half {s['dim_half']:.0f}")
+    click.echo(f"  memory bandwidth  {s['bandwidth_gbs']:.1f} GB/s per rank, element-wise efficiency "
+               f"{s['elementwise_efficiency']:.2f}")
+    click.echo(f"  op overhead       {s['kernel_overhead_us']:.1f} us")
+    click.echo(f"  attention         {s['attention_tflops'] * 1e3:.1f} GFLOP/s, causal/full time "
+               f"{s['causal_ratio']:.2f}, backward/forward {s['backward_factor']:.2f}")
+    click.echo(f"  ring latency      {s['latency_us']:.0f} us per step")
+    bw = ", ".join(f"{k}: {v:.2f}" for k, v in s["busbw_gbs"].items())
+    click.echo(f"  busbw (size x stride, GB/s)  {bw}")
+    click.echo(f"  network model fit error      rms {s['network_model_rms_rel_err']:.0%}, "
+               f"max {s['network_model_max_rel_err']:.0%}")
+
+
+@click.command("calibrate")
+@click.option("--nproc", type=int, default=None,
+              help="Ranks per node to measure with (default: the GPUs here, else the CPU cores).")
+@click.option("--out", type=str, default=None, help="Profile to write, e.g. machine_profiles/NAME.yaml.")
+@click.option("--quick", is_flag=True, help="A coarser sweep (under 3 minutes on a 2-core machine).")
+@click.option("--results", type=str, default=None,
+              help="Folder for the raw measurements (default: calibration/results/NAME).")
+@click.option("--models", type=str, default=None,
+              help="Comma-separated model presets whose exact GEMM and attention shapes to add "
+                   "(default: gpt-tiny,gpt-small on CPU, gpt-5b,gpt-20b on GPUs).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--from-results", "from_results", type=str, default=None,
+              help="Fit and write the profile from an earlier run's results folder; measure nothing.")
+@click.option("--emit-slurm", "emit_slurm", type=int, default=None, metavar="NODES",
+              help="Write an sbatch script that calibrates across NODES nodes, instead of measuring here.")
+@click.option("--script", type=str, default=None, help="Where --emit-slurm writes (default: calibrate-NAME.sbatch).")
+@click.option("--worker-arg", "worker_args", multiple=True, hidden=True,
+              help="Extra argument for calibration.worker (tests use it to shrink the sweep).")
+def calibrate(nproc, out, quick, results, models, device, from_results, emit_slurm, script, worker_args):
+    """Measure this machine (GEMMs, memory, collectives per group shape) and write its profile."""
+    out_p = _check_out(out)
+    name = out_p.stem
+    results_p = Path(results) if results else Path("calibration") / "results" / name
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc must be a positive integer, got {nproc}")
+    if models:
+        from .specs import load_model
+
+        for m in models.split(","):
+            load_model(m.strip())  # an unknown preset fails here, not in the workers
+    from calibration.profile_writer import CalibrationError, fits_csv, profile_yaml, table_csv
+    from calibration.results_io import ResultsDir
+
+    if emit_slurm is not None:
+        from calibration.slurm import sbatch_script
+
+        from .atomic import atomic_write_text
+
+        if emit_slurm < 1:
+            raise UserError(f"--emit-slurm needs a positive number of nodes, got {emit_slurm}")
+        if nproc is None:
+            raise UserError("--emit-slurm needs --nproc: the GPUs (ranks) per node")
+        text = sbatch_script(emit_slurm, nproc, str(out_p), str(results_p), quick, models, gpus=device != "cpu")
+        dest = Path(script or f"calibrate-{name}.sbatch")
+        atomic_write_text(dest, text)
+        os.chmod(dest, 0o755)
+        click.echo(f"wrote {dest}: submit it with `sbatch {dest}`; it writes {out_p}")
+        return
+
+    wall = None
+    if from_results:
+        results_p = Path(from_results)
+        if not results_p.is_dir():
+            raise UserError(f"--from-results '{from_results}' is not a folder")
+    else:
+        try:
+            import torch
+        except ImportError:
+            raise UserError("'axoplan calibrate' needs torch (pip install 'axoplan[runtime]')") from None
+        cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but torch sees no CUDA device")
+        if nproc is None:
+            nproc = torch.cuda.device_count() if cuda else (os.cpu_count() or 1)
+        if cuda and nproc > torch.cuda.device_count():
+            raise UserError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here")
+        if nproc < 2:
+            raise UserError("--nproc must be at least 2: collectives need two ranks")
+        command = f"axoplan calibrate --nproc {nproc} --out {out_p}" + (" --quick" if quick else "") + (
+            f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "")
+        wall = _run_workers(nproc, results_p, quick, models, device, command, list(worker_args))
+
+    from calibration import profile_writer
+
+    rd = ResultsDir(results_p)
+    try:
+        built = profile_writer.build(rd, name, f"{name}_gemm.csv")
+    except CalibrationError as e:
+        raise UserError(f"cannot make a profile from {results_p}: {e}") from None
+    table_text, prof_text = table_csv(built.table_rows), profile_yaml(built.profile)
+    _validate_written(built, table_text, prof_text)
+    from .atomic import atomic_write_text
+
+    atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
+    atomic_write_text(out_p.parent / f"{name}_gemm.csv", table_text)
+    atomic_write_text(out_p, prof_text)
+    _print_summary(out_p, built, wall)

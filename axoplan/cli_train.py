@@ -1,0 +1,40 @@
+"""`axoplan train`: run the bundled 4D trainer on one LaunchConfig (under torchrun, srun, or alone
+for a world of one). torch is imported only inside the command."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .errors import UserError
+
+
+@click.command("train")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Run config YAML (a LaunchConfig).")
+@click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
+def train(config_path, print_config):
+    """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
+    from .launch import example_config_yaml, load_config
+
+    if print_config:
+        click.echo(example_config_yaml(), nl=False)
+        return
+    if not config_path:
+        raise UserError("give a run config with --config run.yaml (see 'axoplan train --print-config')")
+    from .runtime.dist_env import read_env
+
+    de = read_env()
+    try:
+        cfg = load_config(config_path)
+        from .runtime.train import check_config  # imports torch: after the cheap checks
+
+        check_config(cfg, de.world_size)
+    except UserError:
+        # every rank read the same config and failed the same way: one sentence from rank 0 only,
+        # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)
+        if de.rank != 0:
+            sys.exit(2)
+        raise
+    from .runtime.train import run
+
+    run(cfg)

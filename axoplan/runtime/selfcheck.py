@@ -1,0 +1,229 @@
+"""Proof that the 4D trainer computes the single-process reference GPT: for each case (grid,
+placement order, overlap flags, checkpointing, model variant), two optimizer steps on the same
+global batch must give the reference's losses, gradient norms and every parameter within fp32
+tolerance. One process world per world size runs all its cases (sub-groups built and destroyed
+per case), so startup is paid once.
+
+    python -m axoplan.runtime.selfcheck --world 4      # every 4-rank grid, printed per case
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..launch import Goldfish, Grid, LaunchConfig, Overlap
+from ..specs import ModelSpec
+from .data import SyntheticText
+from .grid import build_grid
+from .reference import ReferenceGPT, init_full_params, reference_optimizer, reference_step
+from .train import Resolved, Trainer
+
+# gpt-tiny's shapes with a vocabulary that needs padding (200 -> 256), so the masking is exercised
+TINY = ModelSpec(name="tiny-test", n_layers=2, hidden=64, n_heads=8, vocab=200, seq_len=64, vocab_multiple=64)
+# Llama-style variant: GQA (2 kv heads), SwiGLU, RMSNorm, RoPE
+LLAMA = ModelSpec(name="tiny-llama-test", n_layers=2, hidden=64, n_heads=8, n_kv_heads=2, ffn_hidden=96,
+                  vocab=200, seq_len=64, vocab_multiple=64, mlp="swiglu", norm="rmsnorm", position="rope")
+MODELS = {"tiny": TINY, "llama": LLAMA}
+
+SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 16, 8, 2, 3e-3, 0
+GRAD_CLIP = 0.5  # below the initial gradient norm: clipping is active, so the global norm matters
+TOL = 2e-5  # fp32: summation order only
+
+
+@dataclass
+class Case:
+    grid: tuple[int, int, int, int]  # gx, gy, gz, gdata
+    order: str = "xyz"
+    oar: bool = True
+    ors: bool = True
+    oag: bool = True
+    ckpt: bool = False
+    model: str = "tiny"
+    goldfish: bool = False
+    blas: bool = False
+
+    def label(self) -> str:
+        gx, gy, gz, gd = self.grid
+        flags = "".join(n for n, on in (("R", self.oar), ("S", self.ors), ("G", self.oag)) if on) or "-"
+        extra = "".join([" ckpt" if self.ckpt else "", " goldfish" if self.goldfish else "",
+                         " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else ""])
+        return f"x{gx} y{gy} z{gz} d{gd} {self.order} overlap={flags}{extra}"
+
+
+def factorizations(n: int, parts: int = 4):
+    """Every ordered tuple of `parts` positive integers whose product is n."""
+    if parts == 1:
+        yield (n,)
+        return
+    for f in range(1, n + 1):
+        if n % f == 0:
+            for rest in factorizations(n // f, parts - 1):
+                yield (f,) + rest
+
+
+def default_cases(world: int) -> list[Case]:
+    grids = list(factorizations(world))
+    cases = []
+    for g in grids:  # every grid with everything on, and with everything off plus checkpointing
+        cases.append(Case(g))
+        cases.append(Case(g, oar=False, ors=False, oag=False, ckpt=True))
+    if world == 8:  # a second (and third) placement order on every grid
+        cases += [Case(g, order="zyx") for g in grids]
+        cases += [Case(g, order="yxz", ckpt=True) for g in grids]
+        full = (2, 2, 2, 1)  # X, Y and Z all split: each flag alone
+        cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False)]
+    if world == 4:
+        cases += [Case((2, 2, 1, 1), order="yxz"), Case((1, 2, 2, 1), order="zyx", ckpt=True)]
+    # the Llama-style variant (kv heads 2: gy <= 2), goldfish loss and BLAS tuning on a few grids
+    small_y = [g for g in grids if g[1] <= 2]
+    cases += [Case(g, model="llama", ckpt=(i % 2 == 1)) for i, g in enumerate(small_y[:4])]
+    cases.append(Case(grids[-1], goldfish=True))
+    cases.append(Case(grids[0], blas=True))
+    return cases
+
+
+# ---- the reference run (the same in every case of a model variant) -------------------------------
+def global_tokens(step: int) -> torch.Tensor:
+    return torch.from_numpy(SyntheticText(SEED).sequences(step, range(GLOBAL_BATCH), SEQ + 1))
+
+
+def reference_run(model: str, goldfish: bool) -> dict:
+    spec = MODELS[model]
+    init = init_full_params(spec, SEED)
+    ref = ReferenceGPT(spec, init)
+    opt = reference_optimizer(ref, LR, 0.1)
+    gf = (4, 3) if goldfish else None
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss, norm = reference_step(ref, opt, global_tokens(step), GRAD_CLIP, gf)
+        losses.append(loss)
+        norms.append(norm)
+    return {"init": init, "final": ref.full_params(), "losses": losses, "norms": norms}
+
+
+def _config(case: Case, model_path: str) -> LaunchConfig:
+    gx, gy, gz, gd = case.grid
+    micro = min(2, GLOBAL_BATCH // (gd * gz))
+    return LaunchConfig(model=model_path, grid=Grid(gx, gy, gz, gd), order=case.order, global_batch=GLOBAL_BATCH,
+                        micro_batch=micro, seq_len=SEQ, steps=STEPS, lr=LR, weight_decay=0.1, grad_clip=GRAD_CLIP,
+                        overlap=Overlap(case.oar, case.ors, case.oag), checkpointing=case.ckpt,
+                        goldfish=Goldfish(4, 3) if case.goldfish else None, metrics=None, seed=SEED)
+
+
+def run_case(case: Case, ref: dict, model_path: str) -> dict:
+    """On every rank of the world: train the case and return this rank's largest deviations."""
+    cfg = _config(case, model_path)
+    grid = build_grid(*case.grid, order=case.order)
+    res = Resolved(torch.device("cpu"), "gloo", torch.float32, torch.float32, case.blas)
+    trainer = Trainer(cfg, grid, res, init_params=ref["init"])
+    err = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0, "moved": 0.0, "misses": 0.0}
+    for step in range(STEPS):
+        out = trainer.train_step(step)
+        err["loss"] = max(err["loss"], abs(out["loss"] - ref["losses"][step]))
+        err["grad_norm"] = max(err["grad_norm"], abs(out["grad_norm"] - ref["norms"][step]) / ref["norms"][step])
+    model = trainer.model
+    for name, w in model.weights.items():  # every replica's own shard against the reference
+        exp = torch.zeros(w.shard_len * w.gz)
+        exp[: w.numel] = ref["final"][name][w.rows][:, w.cols].reshape(-1)
+        exp = exp[w.z * w.shard_len:(w.z + 1) * w.shard_len]
+        err["param"] = max(err["param"], float((w.param.detach() - exp).abs().max()))
+        init = torch.zeros(w.shard_len * w.gz)
+        init[: w.numel] = ref["init"][name][w.rows][:, w.cols].reshape(-1)
+        err["moved"] = max(err["moved"], float((exp - init[w.z * w.shard_len:(w.z + 1) * w.shard_len]).abs().max()))
+    for name, p in model.replicated.items():
+        exp = ref["final"][name][..., model.xcols]
+        err["param"] = max(err["param"], float((p.detach() - exp).abs().max()))
+    err["misses"] = float(trainer.rt.sequence_misses)
+    full = model.gather_full_params()  # the API the memorization study uses
+    err["gathered"] = max(float((full[n] - ref["final"][n]).abs().max()) for n in full)
+    trainer.close()
+    return err
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out_path: str, model_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    refs, paths = {}, {}
+    for name, spec in MODELS.items():
+        paths[name] = str(Path(model_dir) / f"{name}.yaml")
+    results = []
+    for case in cases:
+        key = (case.model, case.goldfish)
+        if key not in refs:
+            refs[key] = reference_run(*key)
+        t0 = time.perf_counter()
+        err = run_case(case, refs[key], paths[case.model])
+        # the worst rank decides
+        vec = torch.tensor([err[k] for k in sorted(err)], dtype=torch.float64)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        worst = dict(zip(sorted(err), vec.tolist()))
+        results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst})
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def passed(r: dict) -> bool:
+    return (r["loss"] < TOL and r["grad_norm"] < TOL and r["param"] < TOL and r["gathered"] < TOL
+            and r["misses"] == 0 and r["moved"] > 100 * TOL)
+
+
+def run_world(world: int, cases: list[Case] | None = None, timeout: float = 600.0) -> list[dict]:
+    """Spawn `world` gloo ranks, run every case, return rank 0's per-case results."""
+    import yaml
+
+    cases = cases if cases is not None else default_cases(world)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in MODELS.items():
+            (Path(tmp) / f"{name}.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec)))
+        out = str(Path(tmp) / "results.json")
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, out, tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"world of {world} did not finish in {timeout:.0f} s")
+        return json.loads(Path(out).read_text())
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = ap.parse_args(argv)
+    ok = True
+    for world in args.world:
+        t0 = time.perf_counter()
+        for r in run_world(world):
+            ok &= passed(r)
+            print(f"{'ok  ' if passed(r) else 'FAIL'} {r['case']:<48} loss {r['loss']:.1e} norm {r['grad_norm']:.1e} "
+                  f"param {r['param']:.1e} (moved {r['moved']:.1e}) {r['seconds']:.2f}s", flush=True)
+        print(f"world {world}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["Case", "default_cases", "factorizations", "passed", "run_world"]

@@ -1,0 +1,291 @@
+"""The training loop: one LaunchConfig in, JSON-lines metrics out (nanoGPT-style, one sitting).
+
+    trainer = Trainer.from_config(cfg)        # process groups, model, optimizer, data
+    trainer.fit()                             # steps + metrics + summary line
+    full = trainer.model.gather_full_params() # whole tensors, loadable by ReferenceGPT
+"""
+from __future__ import annotations
+
+import io
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..atomic import append_line, atomic_write_bytes
+from ..errors import UserError
+from ..launch import LaunchConfig
+from ..specs import ModelSpec, load_model
+from .checks import grid_problem
+from .data import local_indices, open_source
+from .dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
+from .goldfish import goldfish_keep
+from .grid import ParallelGrid, build_grid
+from .model import ParallelGPT
+from .parallel_linear import Runtime
+from .reference import decays
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- configuration checks that must pass on every rank before any process group exists ----------
+def check_config(cfg: LaunchConfig, world_size: int) -> ModelSpec:
+    spec = load_model(cfg.model)
+    g = cfg.grid
+    if g.size != world_size:
+        raise UserError(f"the grid gx*gy*gz*gdata = {g.gx}*{g.gy}*{g.gz}*{g.gdata} = {g.size} does not match "
+                        f"the {world_size} process(es) started")
+    seq = cfg.seq_len or spec.seq_len
+    why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq)
+    if why:
+        raise UserError(f"config cannot run model '{spec.name}': {why}")
+    open_source(cfg.data, cfg.seed, seq + 1)  # a missing or too short data path fails here, on all ranks
+    peak_tflops(cfg)  # an unknown machine profile fails here too
+    return spec
+
+
+def peak_tflops(cfg: LaunchConfig) -> float | None:
+    if not cfg.machine:
+        return None
+    try:
+        from ..machine import load_profile
+    except ImportError:
+        return None
+    return float(load_profile(cfg.machine).peak_tflops)
+
+
+@dataclass
+class Resolved:
+    device: torch.device
+    backend: str
+    compute_dtype: torch.dtype
+    collective_dtype: torch.dtype
+    blas_tuning: bool
+
+
+def resolve(cfg: LaunchConfig, local_rank: int = 0) -> Resolved:
+    cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    cdt = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    coll = DTYPES[cfg.collective_dtype] if cfg.collective_dtype != "auto" else cdt
+    blas = cfg.blas_tuning == "on" or (cfg.blas_tuning == "auto" and device.type == "cuda")
+    return Resolved(device, backend, cdt, coll, blas)
+
+
+def init_distributed(cfg: LaunchConfig, de: DistEnv | None = None) -> tuple[DistEnv, Resolved]:
+    """Start the world process group from torchrun's or srun's environment (or a world of one)."""
+    de = de or read_env()
+    res = resolve(cfg, de.local_rank)
+    threads = cpu_threads(de.local_world_size)
+    if threads:
+        torch.set_num_threads(threads)
+    if res.device.type == "cuda":
+        torch.cuda.set_device(res.device)
+    if not dist.is_initialized():
+        timeout = timedelta(minutes=10)
+        if de.launcher == "single":
+            dist.init_process_group(res.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            export_for_env_init(de)
+            dist.init_process_group(res.backend, init_method="env://", timeout=timeout)
+    return de, res
+
+
+# ---- the trainer -----------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: LaunchConfig, grid: ParallelGrid, res: Resolved, *, init_params=None,
+                 data_source=None):
+        self.cfg, self.grid, self.res = cfg, grid, res
+        self.spec = load_model(cfg.model)
+        self.seq = cfg.seq_len or self.spec.seq_len
+        ov = cfg.overlap
+        self.rt = Runtime(grid, compute_dtype=res.compute_dtype, collective_dtype=res.collective_dtype,
+                          overlap_all_reduce=ov.all_reduce, overlap_reduce_scatter=ov.reduce_scatter,
+                          overlap_all_gather=ov.all_gather, blas_tuning=res.blas_tuning)
+        self.model = ParallelGPT(self.spec, self.rt, seed=cfg.seed, checkpointing=cfg.checkpointing,
+                                 device=res.device, init_params=init_params)
+        m = self.model
+        decay = [w.param for n, w in m.weights.items() if decays(n)]
+        no_decay = [w.param for n, w in m.weights.items() if not decays(n)] + m.replicated_params()
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.source = data_source or open_source(cfg.data, cfg.seed, self.seq + 1)
+        c = grid.coords
+        self.indices = local_indices(cfg.global_batch, grid.gdata, grid.gz, c.d, c.z)
+        self.grad_acc = len(self.indices) // cfg.micro_batch
+        self.peak = peak_tflops(cfg)
+        self.records: list[dict] = []
+
+    @classmethod
+    def from_config(cls, cfg: LaunchConfig, **kw) -> "Trainer":
+        de = read_env()
+        check_config(cfg, de.world_size)
+        de, res = init_distributed(cfg, de)
+        g = cfg.grid
+        return cls(cfg, build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order), res, **kw)
+
+    def close(self) -> None:
+        self.grid.destroy()
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This (d, z) coordinate's sequences [local, seq+1] and their keep mask [local, seq]."""
+        tokens = np.asarray(self.source.sequences(step, self.indices, self.seq + 1), dtype=np.int64)
+        gf = self.cfg.goldfish
+        keep = goldfish_keep(tokens[:, 1:], gf.k, gf.h) if gf else np.ones((len(tokens), self.seq), dtype=bool)
+        dev = self.res.device
+        return torch.from_numpy(tokens).to(dev), torch.from_numpy(keep).to(dev, torch.float32)
+
+    def train_step(self, step: int) -> dict:
+        rt, model, mb = self.rt, self.model, self.cfg.micro_batch
+        tokens, keep = self.local_batch(step)
+        n_kept = keep.sum().double()  # the loss is a mean over the kept targets of the global batch
+        rt.all_reduce(n_kept, "zd")
+        model.grad_buffer.zero_()
+        for p in model.replicated_params():
+            p.grad = None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.res.device)
+        for m in range(self.grad_acc):
+            rt.start_sequence(model.gather_sequence(backward=True))
+            part = model.loss_sum(tokens[m * mb:(m + 1) * mb], keep[m * mb:(m + 1) * mb])
+            (part / n_kept.float()).backward()
+            rt.finish_backward()
+            loss_sum += part.detach().double()
+        self.reduce_gradients()
+        grad_norm = self.clip_gradients()
+        self.opt.step()
+        rt.all_reduce(loss_sum, "zd")
+        return {"loss": float(loss_sum / n_kept), "grad_norm": grad_norm}
+
+    def reduce_gradients(self) -> None:
+        """Once per step: weight-shard gradients over D (fp32, one buffer); replicated parameters
+        (norms, positions) over Z and D, where the samples differ."""
+        model, rt = self.model, self.rt
+        d = self.grid.group("d")
+        if d is not None:
+            dist.all_reduce(model.grad_buffer, group=d)
+        reps = model.replicated_params()
+        for p in reps:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.grid.group("zd") is not None:
+            flat = torch.cat([p.grad.reshape(-1) for p in reps])
+            dist.all_reduce(flat, group=self.grid.group("zd"))
+            off = 0
+            for p in reps:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def clip_gradients(self) -> float:
+        """Global norm over all shards, each element counted once: weight shards are unique over
+        (x, y, z) and identical over D; replicated parameters are unique over X only."""
+        c, model = self.grid.coords, self.model
+        sq = torch.zeros((), dtype=torch.float64, device=self.res.device)
+        if c.d == 0:
+            sq += model.grad_buffer.double().pow(2).sum()
+            if c.y == 0 and c.z == 0:
+                for p in model.replicated_params():
+                    sq += p.grad.double().pow(2).sum()
+        if self.grid.size > 1:
+            dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        coef = self.cfg.grad_clip / (norm + 1e-6)
+        if coef < 1.0:
+            model.grad_buffer.mul_(coef)
+            for p in model.replicated_params():
+                p.grad.mul_(coef)
+        return norm
+
+    # ---- the loop with metrics ---------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.res.device.type == "cuda":
+            torch.cuda.synchronize(self.res.device)
+        if self.grid.size > 1:
+            dist.barrier()
+
+    def _emit(self, record: dict) -> None:
+        if self.grid.rank != 0:
+            return
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.cfg.metrics:
+            append_line(self.cfg.metrics, line)
+
+    def fit(self, steps: int | None = None) -> dict:
+        cfg, spec = self.cfg, self.spec
+        steps = steps or cfg.steps
+        tokens = cfg.global_batch * self.seq
+        flops = spec.flops_per_token(self.seq, recompute=False) * tokens
+        if self.res.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.res.device)
+        for step in range(steps):
+            self._sync()
+            t0 = time.perf_counter()
+            out = self.train_step(step)
+            self._sync()
+            dt = time.perf_counter() - t0
+            tflops = flops / dt / self.grid.size / 1e12
+            rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "batch_time_s": dt,
+                   "tokens_per_s": tokens / dt, "model_tflops_per_gpu": tflops,
+                   "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
+                   "peak_memory_gib": self.peak_memory_gib()}
+            self.records.append(rec)
+            self._emit(rec)
+        summary = self.summary()
+        self._emit(summary)
+        if cfg.save:
+            self.save(cfg.save)
+        return summary
+
+    def peak_memory_gib(self) -> float:
+        if self.res.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.res.device) / 2**30
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+        return kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+    def summary(self) -> dict:
+        cfg, g = self.cfg, self.grid
+        timed = self.records[cfg.warmup_steps:] or self.records
+        med = statistics.median(r["batch_time_s"] for r in timed)
+        tflops = self.spec.flops_per_token(self.seq) * cfg.global_batch * self.seq / med / g.size / 1e12
+        return {"summary": True, "median_batch_time_s": med, "median_tokens_per_s": cfg.global_batch * self.seq / med,
+                "model_tflops_per_gpu": tflops, "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
+                "peak_memory_gib": max(r["peak_memory_gib"] for r in self.records),
+                "first_loss": self.records[0]["loss"], "final_loss": self.records[-1]["loss"],
+                "steps": len(self.records), "warmup_steps": cfg.warmup_steps, "model": self.spec.name,
+                "grid": {"gx": g.gx, "gy": g.gy, "gz": g.gz, "gdata": g.gdata}, "order": g.order,
+                "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": self.seq,
+                "checkpointing": cfg.checkpointing, "overlap": vars(cfg.overlap).copy(),
+                "device": str(self.res.device), "dtype": str(self.res.compute_dtype).replace("torch.", ""),
+                "blas_tuning": self.res.blas_tuning, "goldfish": vars(cfg.goldfish).copy() if cfg.goldfish else None}
+
+    def save(self, path: str) -> None:
+        """Gather full parameters (a collective) and write them from rank 0 as a torch file."""
+        full = self.model.gather_full_params()
+        if self.grid.rank == 0:
+            buf = io.BytesIO()
+            torch.save({"model": self.spec.name, "params": full}, buf)
+            atomic_write_bytes(path, buf.getvalue())
+
+
+def run(cfg: LaunchConfig) -> dict:
+    """What `axoplan train` does after the config passed its checks."""
+    trainer = Trainer.from_config(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["Trainer", "check_config", "init_distributed", "resolve", "run"]
