@@ -447,8 +447,11 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         bw_scale[c] = rd.num(cd, "bandwidth_scale", f"network.collectives.{c}", default=1.0)
         lat_scale[c] = rd.num(cd, "latency_scale", f"network.collectives.{c}", default=1.0, allow_zero=True)
 
+    # scales must stay positive (a zero bandwidth or throughput scale means infinite time); only the
+    # latency scale and the fixed per-step overhead may be zero
     corrections = Corrections(**{
-        f.name: rd.num(corr, f.name, "corrections", default=f.default, allow_zero=True)
+        f.name: rd.num(corr, f.name, "corrections", default=f.default,
+                       allow_zero=f.name in ("latency_scale", "step_overhead_s"))
         for f in dataclasses.fields(Corrections)
     }) if corr else Corrections()
 
@@ -468,14 +471,19 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     if not isinstance(causal, bool):
         rd.fail("compute.attention.causal_skip", "must be true or false")
 
+    capacity = rd.num(mem, "capacity_gib", "memory")
+    headroom = rd.num(mem, "headroom_gib", "memory", default=0.0, allow_zero=True)
+    if headroom >= capacity:
+        rd.fail("memory.headroom_gib", f"({headroom:g}) must be smaller than memory.capacity_gib ({capacity:g})")
+
     return MachineProfile(
         name=d["name"],
         description=str(d.get("description", "")),
         device=str(d.get("device", "")),
         dtype=dtype,
         gpus_per_node=int(gpn),
-        mem_capacity=rd.num(mem, "capacity_gib", "memory") * GIB,
-        mem_headroom=rd.num(mem, "headroom_gib", "memory", default=0.0, allow_zero=True) * GIB,
+        mem_capacity=capacity * GIB,
+        mem_headroom=headroom * GIB,
         mem_bandwidth=rd.num(mem, "bandwidth_gbs", "memory") * GB,
         elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
         peak_flops=rd.num(comp, "peak_tflops", "compute") * TFLOP,

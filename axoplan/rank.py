@@ -77,6 +77,8 @@ def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, globa
     candidate with its reason. Raises UserError when nothing is feasible and infeasible rows were
     not asked for.
     """
+    if top is not None and top <= 0:
+        raise UserError(f"top must be a positive integer, got {top}")
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len)
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch)
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning)
