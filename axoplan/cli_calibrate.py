@@ -5,7 +5,7 @@ rank 0 streams progress lines that drive the progress bar. torch is imported ins
 from __future__ import annotations
 
 import os
-import shlex
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,9 +74,11 @@ def _last_error_line(log_path: Path) -> str:
         lines = [l.strip() for l in log_path.read_text().splitlines() if l.strip()]
     except OSError:
         return ""
-    for l in reversed(lines):
-        if "Error" in l and not l.startswith(("File ", "Traceback", "[rank", "torch.distributed.elastic")):
-            return l[:200]
+    # the first exception line a worker printed (torchrun's own ChildFailedError summary comes later)
+    for l in lines:
+        m = re.match(r"^(?:\[rank\d+\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b:?.*)$", l)
+        if m and "ChildFailedError" not in l:
+            return m.group(1)[:200]
     return ""
 
 
@@ -97,12 +99,18 @@ def _validate_written(built, table_rows_csv: str, profile_text: str) -> None:
             raise UserError(f"the measured profile does not pass the planner's schema check ({e})") from None
 
 
-def _print_summary(out: Path, built, wall_s: float | None) -> None:
+def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
     s = built.summary
+    load = [x for x in (meta.get("loadavg_start") or [None])[:1] + (meta.get("loadavg_end") or [None])[:1] if x]
+    cores = meta.get("cpu_count") or 1
+    if load and not meta.get("cuda") and max(load) > cores:
+        click.echo(f"warning: the machine was busy during calibration (load average up to {max(load):.1f} on "
+                   f"{cores} cores): other work slowed the measurements; rerun on a quiet machine", err=True)
     click.echo(f"wrote {out} (GEMM table {out.parent / built.profile['compute']['gemm']['table']['path']})")
     if wall_s is not None:
         click.echo(f"  calibration took {wall_s:.0f} s (workers {s.get('elapsed_s')} s)")
-    click.echo(f"  GEMM ceiling      {s['gemm_ceiling_tflops'] * 1e3:.1f} GFLOP/s per rank ({s['gemm_ceiling_shape']}), "
+    click.echo(f"  GEMM ceiling      {s['gemm_ceiling_tflops'] * 1e3:.1f} GFLOP/s per rank "
+               f"({s['gemm_ceiling_shape']}), "
                f"dim_half {s['dim_half']:.0f}")
     click.echo(f"  memory bandwidth  {s['bandwidth_gbs']:.1f} GB/s per rank, element-wise efficiency "
                f"{s['elementwise_efficiency']:.2f}")
@@ -158,7 +166,7 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
             raise UserError(f"--emit-slurm needs a positive number of nodes, got {emit_slurm}")
         if nproc is None:
             raise UserError("--emit-slurm needs --nproc: the GPUs (ranks) per node")
-        text = sbatch_script(emit_slurm, nproc, str(out_p), str(results_p), quick, models, gpus=device != "cpu")
+        text = sbatch_script(emit_slurm, nproc, str(out_p), str(results_p), quick, models, device=device)
         dest = Path(script or f"calibrate-{name}.sbatch")
         atomic_write_text(dest, text)
         os.chmod(dest, 0o755)
@@ -202,4 +210,4 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
     atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
     atomic_write_text(out_p.parent / f"{name}_gemm.csv", table_text)
     atomic_write_text(out_p, prof_text)
-    _print_summary(out_p, built, wall)
+    _print_summary(out_p, built, wall, rd.meta())

@@ -73,8 +73,8 @@ def profiles():
             t.add_row(name, "[invalid]", "", "", "", "", "", "", "", str(e))
             continue
         intra = ", ".join(f"{s}@{st}:{bw / 1e9:.0f}" for s, st, bw in p.intra_groups)
-        t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.1f}",
-                  f"{p.gemm_ceiling / 1e12:.1f}", "yes" if p.gemm_table is not None else "curve", intra,
+        t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.4g}",
+                  f"{p.gemm_ceiling / 1e12:.4g}", "yes" if p.gemm_table is not None else "curve", intra,
                   f"{p.inter_busbw / 1e9:.1f}", str(path))
     _console().print(t)
 

@@ -154,7 +154,8 @@ class MachineProfile:
 
     # ---- GEMM time -------------------------------------------------------------------
     def gemm_seconds(self, m, n, k, layout: str | None = None):
-        """Seconds of C[m,n] = A[m,k] @ B[k,n] (no launch overhead), and whether each shape was extrapolated.
+        """Seconds of one C[m,n] = A[m,k] @ B[k,n] call, launch included, and whether each shape was
+        extrapolated. A measured table already holds whole calls; the curve adds kernel_overhead.
 
         layout None: the best of every layout and of both forms (C = AB and C^T = B^T A^T), as the
         trainer's BLAS tuning picks; otherwise the given layout of the direct form.
@@ -168,7 +169,7 @@ class MachineProfile:
             eff = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
             t_compute = flop / (self.gemm_ceiling * eff * scale)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
-            return np.maximum(t_compute, t_memory), np.zeros(shape, dtype=bool)
+            return np.maximum(t_compute, t_memory) + self.kernel_overhead, np.zeros(shape, dtype=bool)
         tab = self.gemm_table
         pts = np.stack([m.ravel(), n.ravel(), k.ravel()], axis=-1)
         uniq, inv = np.unique(pts, axis=0, return_inverse=True)

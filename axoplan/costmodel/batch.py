@@ -158,7 +158,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     fwd_block = [Window(l.name, gem[i].fwd + extra_f[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
                         col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
     emb_f = Window("embedding", ew_emb + ko, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
-    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 4 * ko, col_lm["ar_fwd"].seconds + norm_f.seconds
+    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * ko, col_lm["ar_fwd"].seconds + norm_f.seconds
                   + loss_c.seconds, col_lm["ag"].seconds, _zero(n))
 
     # backward windows
@@ -173,7 +173,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                       cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
 
     ar_lm = col_lm["ar_bwd"].seconds
-    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 8 * ko,
+    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 6 * ko,
                   (np.maximum(ar_lm - gem_lm.wgrad, 0.0) if overlap else ar_lm) + norm_b.seconds,
                   col_lm["ag"].seconds, col_lm["rs"].seconds)
     emb_b = Window("embedding", ew_emb + 2 * ko, _zero(n), _zero(n), col_emb["rs"].seconds)

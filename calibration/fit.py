@@ -1,0 +1,109 @@
+"""Least-squares fits of measured times to the planner's models.
+
+Collectives: t = steps·α + volume/β (ring: steps = p−1 for all-gather and reduce-scatter,
+2(p−1) for all-reduce; volume = the bytes each rank sends, so β is nccl-tests' bus bandwidth).
+Element-wise work: t = overhead + bytes/bandwidth, the same two-term line.
+
+Times span orders of magnitude (1 KiB to hundreds of MiB), so the fit weighs every point by
+1/t: it minimises the relative error, otherwise the largest message alone would decide α.
+Both terms are constrained to be non-negative (scipy's NNLS) -- a negative latency is noise."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def ring_steps(collective: str, p: int) -> int:
+    if collective == "all_reduce":
+        return 2 * (p - 1)
+    if collective in ("all_gather", "reduce_scatter"):
+        return p - 1
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def ring_volume(collective: str, p: int, nbytes: float) -> float:
+    """Bytes each rank sends in a ring collective whose (total) message is `nbytes`:
+    all-reduce 2(p−1)/p·bytes, all-gather / reduce-scatter (p−1)/p·total bytes."""
+    factor = 2.0 if collective == "all_reduce" else 1.0
+    return factor * (p - 1) / p * nbytes
+
+
+def busbw(collective: str, p: int, nbytes: float, seconds: float) -> float:
+    """nccl-tests bus bandwidth in bytes/s."""
+    return ring_volume(collective, p, nbytes) / seconds
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """t = a·x0 + b·x1 fitted with a, b >= 0, plus the relative error of the fit."""
+
+    a: float
+    b: float
+    rms_rel_err: float
+    max_rel_err: float
+    points: int
+
+
+def fit_line(x0: Sequence[float], x1: Sequence[float], t: Sequence[float]) -> LineFit:
+    from scipy.optimize import nnls
+
+    x0 = np.asarray(x0, float)
+    x1 = np.asarray(x1, float)
+    t = np.asarray(t, float)
+    if len(t) < 2 or np.any(t <= 0):
+        raise ValueError("a fit needs at least two positive times")
+    w = 1.0 / t
+    A = np.stack([x0 * w, x1 * w], axis=1)
+    (a, b), _ = nnls(A, np.ones_like(t))
+    pred = a * x0 + b * x1
+    rel = (pred - t) / t
+    return LineFit(float(a), float(b), float(np.sqrt(np.mean(rel**2))), float(np.max(np.abs(rel))), len(t))
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha_s: float  # latency per ring step, seconds
+    beta_bps: float  # bus bandwidth, bytes per second (inf if the data showed no bandwidth term)
+    rms_rel_err: float
+    max_rel_err: float
+    points: int
+
+    def predict(self, collective: str, p: int, nbytes: float) -> float:
+        return ring_steps(collective, p) * self.alpha_s + ring_volume(collective, p, nbytes) / self.beta_bps
+
+
+def fit_alpha_beta(collective: str, p: int, nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    steps = [ring_steps(collective, p)] * len(nbytes)
+    vol = [ring_volume(collective, p, b) for b in nbytes]
+    f = fit_line(steps, vol, seconds)
+    beta = 1.0 / f.b if f.b > 0 else math.inf
+    return AlphaBeta(f.a, beta, f.rms_rel_err, f.max_rel_err, f.points)
+
+
+def geomean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    if not xs:
+        raise ValueError("geometric mean of no positive values")
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def fit_dim_half(m, n, k, tflops, ceiling_tflops: float) -> tuple[float, float]:
+    """The parametric GEMM curve: throughput = ceiling · Π d/(d + dim_half) over d in (m, n, k).
+    Returns (dim_half, rms error of log throughput) fitted to measured throughputs."""
+    from scipy.optimize import minimize_scalar
+
+    dims = np.stack([np.asarray(m, float), np.asarray(n, float), np.asarray(k, float)], axis=1)
+    logt = np.log(np.asarray(tflops, float) / ceiling_tflops)
+
+    def loss(log_h):
+        h = math.exp(log_h)
+        pred = np.sum(np.log(dims / (dims + h)), axis=1)
+        return float(np.mean((pred - logt) ** 2))
+
+    r = minimize_scalar(loss, bounds=(math.log(1e-3), math.log(1e5)), method="bounded")
+    return math.exp(r.x), math.sqrt(r.fun)

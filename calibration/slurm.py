@@ -1,0 +1,46 @@
+"""The sbatch script that runs the same calibration across nodes: one torchrun agent per node
+(srun), c10d rendezvous on the first node, then the fit on the collected results."""
+from __future__ import annotations
+
+import shlex
+
+
+def sbatch_script(nodes: int, nproc_per_node: int, out: str, results: str, quick: bool, models: str | None,
+                  device: str = "auto", time_limit: str = "01:00:00", port: int = 29500) -> str:
+    gpus = device != "cpu"
+    name = out.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    worker = (["--results", results] + (["--quick"] if quick else []) + (["--models", models] if models else [])
+              + (["--device", device] if device != "auto" else []))
+    fit = ["axoplan", "calibrate", "--from-results", results, "--out", out]
+    cmd = (f"axoplan calibrate --emit-slurm {nodes} --nproc {nproc_per_node} --out {out}"
+           + (" --quick" if quick else "")
+           + (f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else ""))
+    gpu_line = f"#SBATCH --gpus-per-node={nproc_per_node}\n" if gpus else ""
+    return f"""#!/bin/bash
+# Written by `{cmd}`.
+# Measures GEMMs, memory and collectives on {nodes} node(s) x {nproc_per_node} ranks, including the groups
+# that cross nodes, then fits and writes the profile {out}. Submit with: sbatch <this file>
+#SBATCH --job-name=axoplan-calibrate-{name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gpu_line}#SBATCH --exclusive
+#SBATCH --time={time_limit}
+#SBATCH --output=axoplan-calibrate-{name}-%j.out
+##SBATCH --account=YOUR_ACCOUNT   (uncomment and fill in what your site requires)
+##SBATCH --partition=YOUR_PARTITION
+set -euo pipefail
+
+RESULTS={shlex.quote(results)}
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+mkdir -p "$RESULTS"
+
+# one torchrun agent per node; they meet at the first node and start {nproc_per_node} workers each
+srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 \\
+  python -m torch.distributed.run \\
+    --nnodes="$SLURM_NNODES" --nproc-per-node={nproc_per_node} \\
+    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{port}" --rdzv-id="$SLURM_JOB_ID" \\
+    -m calibration.worker {shlex.join(worker)} --command {shlex.quote(cmd)}
+
+# fit alpha/beta, GEMM curve and memory numbers; write the profile atomically
+{shlex.join(fit)}
+"""

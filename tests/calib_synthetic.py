@@ -1,0 +1,73 @@
+"""Synthetic calibration results with known constants, shared by the calibration tests."""
+from __future__ import annotations
+
+import random
+
+from calibration.collectives import crosses_nodes, group_shapes
+from calibration.fit import COLLECTIVES, ring_steps, ring_volume
+from calibration.results_io import ResultsDir
+
+ALPHA = 30e-6  # s per ring step
+BUSBW = {(2, 1): 20e9, (4, 1): 12e9, (2, 2): 8e9}  # the intra shapes of 4 ranks per node  # bytes/s, intra-node
+INTER_BW = 6e9  # one ring leaving a node
+SCALE = {"all_gather": 1.25, "reduce_scatter": 0.8, "all_reduce": 1.0}
+BW = 50e9
+OVERHEAD = 5e-6
+
+
+def meta(world=4, ranks_per_node=4, **kw):
+    m = {"status": "complete", "date": "2026-01-01T00:00:00Z", "host": "testhost", "torch": "0.0", "python": "3",
+         "backend": "gloo", "backend_version": "gloo", "device": "Test CPU", "cuda": None, "dtype": "fp32",
+         "world": world, "ranks_per_node": ranks_per_node, "nodes": world // ranks_per_node, "cpu_count": 2,
+         "threads_per_rank": 1, "quick": True, "command": "axoplan calibrate --test", "models": ["gpt-tiny"],
+         "gemm_values": [8, 64, 512], "capacity_bytes": 8 * 2**30, "runtime_overhead_bytes": 300 * 2**20,
+         "measured": ["attention", "collectives", "gemm", "memory"], "elapsed_s": 1.0}
+    m.update(kw)
+    return m
+
+
+def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0) -> ResultsDir:
+    rng = random.Random(seed)
+    rd = ResultsDir(path)
+    md = meta(world, ranks_per_node)
+    md["status"] = "running"
+    rd.start(md)
+
+    def jitter(x):
+        return x * (1 + rng.uniform(-noise, noise))
+
+    for (p, s) in group_shapes(world):
+        cross = crosses_nodes(p, s, ranks_per_node)
+        bw = INTER_BW / min(s, ranks_per_node) if cross else BUSBW[(p, s)]
+        for c in COLLECTIVES:
+            for nbytes in [2**e for e in range(10, 27, 2)]:
+                t = jitter(ring_steps(c, p) * ALPHA + ring_volume(c, p, nbytes) / (bw * SCALE[c]))
+                rd.append("collectives", {"collective": c, "size": p, "stride": s, "crosses_nodes": cross,
+                                          "bytes": nbytes, "seconds": t, "seconds_min_rank": t,
+                                          "busbw_gbs": ring_volume(c, p, nbytes) / t / 1e9})
+    for m in (8, 64, 512):
+        for n in (8, 64, 512):
+            for k in (8, 64, 512):
+                for layout, f in (("NN", 1.0), ("NT", 0.9), ("TN", 0.95)):
+                    eff = m / (m + 32) * n / (n + 32) * k / (k + 32)
+                    tf = 0.05 * eff * f
+                    rd.append("gemm", {"m": m, "n": n, "k": k, "layout": layout, "seconds": 2 * m * n * k / tf / 1e12,
+                                       "tflops": tf, "seconds_min_rank": 0, "seconds_max_rank": 0})
+    rd.append("memory", {"kind": "bandwidth", "op": "copy", "elements": 2**24, "bytes": 2**27, "seconds": 2**27 / BW})
+    for elems in (4096, 65536, 2**20):
+        for op, mult in (("add", 3), ("gelu", 2)):
+            nb = 4 * elems * mult
+            rd.append("memory", {"kind": "elementwise", "op": op, "elements": elems, "bytes": nb,
+                                 "seconds": OVERHEAD + nb / (0.5 * BW)})
+    rd.append("memory", {"kind": "overhead", "op": "add", "elements": 8, "bytes": 0, "seconds": OVERHEAD})
+    for b in (1, 4):
+        flop = 4 * b * 8 * 64 * 64 * 8
+        for causal in (False, True):
+            fwd = flop / 10e9
+            rd.append("attention", {"batch": b, "heads": 8, "seq": 64, "head_dim": 8, "causal": causal,
+                                    "pass": "forward", "seconds": fwd})
+            rd.append("attention", {"batch": b, "heads": 8, "seq": 64, "head_dim": 8, "causal": causal,
+                                    "pass": "forward_backward", "seconds": 3.5 * fwd})
+    md["status"] = "complete"
+    rd.write_meta(md)
+    return rd

@@ -1,0 +1,77 @@
+"""Each microbenchmark really runs: unit checks in-process, then one tiny 2-rank calibration."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+from calibration import gemm, memory
+from calibration.collectives import crosses_nodes, group_shapes, groups_of
+from calibration.timing import time_call
+
+
+@pytest.mark.parametrize("layout", gemm.LAYOUTS)
+def test_layouts_compute_the_same_product(layout):
+    a, b = gemm.operands(5, 7, 3, layout, torch.float32, torch.device("cpu"))
+    ref_a, ref_b = gemm.operands(5, 7, 3, "NN", torch.float32, torch.device("cpu"))
+    assert a.shape == (5, 3) and b.shape == (3, 7)
+    # the trainer's naming: first letter A, second B; T = the transpose of a contiguous tensor
+    assert a.is_contiguous() == (layout[0] == "N") and a.t().is_contiguous() == (layout[0] == "T")
+    assert b.is_contiguous() == (layout[1] == "N") and b.t().is_contiguous() == (layout[1] == "T")
+    assert torch.allclose(a @ b, (a.contiguous() @ b.contiguous()))
+
+
+def test_grid_and_model_shapes():
+    vals = gemm.pow2_values(8, 2048)
+    assert vals == [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert gemm.pow2_values(8, 2048, step=2) == [8, 32, 128, 512, 2048]
+    grid = set(gemm.cartesian_grid(vals))
+    assert len(grid) == 9**3 and all((n, m, k) in grid for (m, n, k) in grid)  # both forms of every shape
+    from axoplan.specs import load_model
+
+    small = load_model("gpt-small")
+    shapes = gemm.model_shapes([small], 4, (1, 16))
+    # fc1 forward on Gx=1, Gy=4 with 16 sequences of 128: T=2048, n=1024/4, k=256
+    assert (2048, 256, 256) in shapes and (256, 2048, 256) in shapes
+    # qkv dW on Gx=2, Gy=2: m = 256/2, n = 768/2, k = T = 128
+    assert (128, 384, 128) in shapes
+
+
+def test_group_shapes_cover_the_planner_axes():
+    assert group_shapes(4) == [(2, 1), (4, 1), (2, 2)]
+    assert set(group_shapes(8)) == {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4)}
+    assert groups_of(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(sum(groups_of(12, 3, 2), [])) == list(range(12))
+    assert not crosses_nodes(2, 2, 4) and crosses_nodes(4, 2, 4) and crosses_nodes(3, 1, 4)
+
+
+def test_time_call_and_memory_ops_run():
+    t = time_call(lambda: torch.ones(4).add_(1), repeats=3, min_batch_s=1e-4)
+    assert 0 < t.seconds < 1e-2 and t.calls_per_batch >= 1 and t.batches == 3
+    got = []
+    memory.run(torch.float32, torch.device("cpu"), [4096], [(16, 32)], lambda xs: xs, got.append, repeats=2)
+    assert {(r.kind, r.op) for r in got} >= {("bandwidth", "copy"), ("elementwise", "gelu"), ("overhead", "add")}
+    att = []
+    memory.run_attention([(1, 2, 16, 8)], torch.float32, torch.device("cpu"), lambda xs: xs, att.append, repeats=2)
+    assert len(att) == 4 and all(r.seconds > 0 for r in att)
+
+
+def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
+    out = tmp_path / "tiny.yaml"
+    res = tmp_path / "results"
+    cmd = [sys.executable, "-m", "axoplan.cli", "calibrate", "--nproc", "2", "--quick", "--out", str(out),
+           "--results", str(res), "--models", "gpt-tiny", "--worker-arg=--gemm-max=32",  # grid 8, 32
+           "--worker-arg=--coll-max=16384", "--worker-arg=--bw-elements=65536"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    prof = yaml.safe_load(out.read_text())
+    groups = prof["network"]["intra_node"]["groups"]
+    assert [(g["size"], g["stride"]) for g in groups] == [(2, 1)] and groups[0]["busbw_gbs"] > 0
+    assert prof["compute"]["gemm"]["ceiling_tflops"]["value"] > 0
+    assert prof["memory"]["bandwidth_gbs"] > 0 and prof["compute"]["kernel_overhead_us"]["value"] > 0
+    for table, rows in (("gemm", 3 * 2**3), ("collectives", 3 * 3), ("attention", None), ("memory", None)):
+        lines = (res / f"{table}.csv").read_text().splitlines()
+        assert len(lines) > 1 and (rows is None or len(lines) == 1 + rows), table
+    assert "wrote" in p.stdout and "busbw" in p.stdout

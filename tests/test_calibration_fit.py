@@ -1,0 +1,104 @@
+"""The fits recover known constants from synthetic measurements (no torch, no timing)."""
+import random
+
+import pytest
+
+from calibration import profile_writer
+from calibration.fit import (COLLECTIVES, busbw, fit_alpha_beta, fit_dim_half, fit_line, ring_steps, ring_volume)
+
+from calib_synthetic import ALPHA, BUSBW, BW, INTER_BW, OVERHEAD, SCALE, write
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_alpha_beta_recovered_within_5_percent(collective, p):
+    rng = random.Random(p)
+    alpha, beta = 25e-6, 15e9
+    sizes = [2**e for e in range(10, 29)]
+    t = [(ring_steps(collective, p) * alpha + ring_volume(collective, p, b) / beta) * (1 + rng.uniform(-0.03, 0.03))
+         for b in sizes]
+    f = fit_alpha_beta(collective, p, sizes, t)
+    assert f.alpha_s == pytest.approx(alpha, rel=0.05)
+    assert f.beta_bps == pytest.approx(beta, rel=0.05)
+    assert f.rms_rel_err < 0.03 and f.max_rel_err < 0.06
+
+
+def test_fit_reports_its_error_and_never_a_negative_latency():
+    # pure bandwidth data with noise: least squares could go negative, NNLS must not
+    sizes = [2**e for e in range(10, 20)]
+    t = [b / 1e9 * (1.1 if i % 2 else 0.9) for i, b in enumerate(sizes)]
+    f = fit_alpha_beta("all_reduce", 2, [s / 2 for s in sizes], t)
+    assert f.alpha_s >= 0
+    assert 0.05 < f.rms_rel_err < 0.2
+
+
+def test_busbw_follows_nccl_tests():
+    # all-reduce of 1 GB on 4 ranks in 1 s: busbw = 2*3/4 GB/s; all-gather of 1 GB total: 3/4 GB/s
+    assert busbw("all_reduce", 4, 1e9, 1.0) == pytest.approx(1.5e9)
+    assert busbw("all_gather", 4, 1e9, 1.0) == pytest.approx(0.75e9)
+    assert ring_steps("all_reduce", 4) == 6 and ring_steps("reduce_scatter", 4) == 3
+
+
+def test_fit_line_exact():
+    f = fit_line([1, 1, 1], [1, 2, 4], [3, 5, 9])
+    assert (f.a, f.b) == pytest.approx((1.0, 2.0))
+
+
+def test_dim_half_recovered():
+    dims = [8, 32, 128, 512]
+    m, n, k, tf = [], [], [], []
+    for a in dims:
+        for b in dims:
+            for c in dims:
+                m.append(a), n.append(b), k.append(c)
+                tf.append(0.1 * a / (a + 40) * b / (b + 40) * c / (c + 40))
+    h, err = fit_dim_half(m, n, k, tf, 0.1)
+    assert h == pytest.approx(40, rel=0.01) and err < 1e-3
+
+
+def test_profile_numbers_from_synthetic_run(tmp_path):
+    built = profile_writer.build(write(tmp_path / "r"), "synthetic", "synthetic_gemm.csv")
+    net = built.profile["network"]
+    groups = {(g["size"], g["stride"]): g["busbw_gbs"] for g in net["intra_node"]["groups"]}
+    assert set(groups) == set(BUSBW)
+    for g, bw in BUSBW.items():
+        assert groups[g] == pytest.approx(bw / 1e9, rel=0.05)
+    assert net["intra_node"]["latency_us"]["value"] == pytest.approx(ALPHA * 1e6, rel=0.05)
+    for c in COLLECTIVES:
+        assert net["collectives"][c]["bandwidth_scale"] == pytest.approx(SCALE[c], rel=0.05)
+    assert "NOT MEASURED" in net["inter_node"]["busbw_gbs"]["source"]
+    assert built.summary["network_model_rms_rel_err"] < 0.05
+    mem = built.profile["memory"]
+    assert mem["bandwidth_gbs"] == pytest.approx(BW / 1e9, rel=1e-3)
+    assert mem["elementwise_efficiency"] == pytest.approx(0.5, rel=1e-3)
+    comp = built.profile["compute"]
+    assert comp["kernel_overhead_us"]["value"] == pytest.approx(OVERHEAD * 1e6)
+    # the parametric curve from the best measured ceiling tracks the synthetic table (true curve 0.05*d/(d+32)...)
+    ceiling, h = comp["gemm"]["ceiling_tflops"]["value"], comp["gemm"]["dim_half"]["value"]
+    for d in (8, 64, 512):
+        true = 0.05 * (d / (d + 32)) ** 3
+        assert ceiling * (d / (d + h)) ** 3 == pytest.approx(true, rel=0.2)
+    assert comp["attention"]["causal_skip"] is False  # causal took as long as non-causal
+    assert comp["attention"]["backward_factor"] == pytest.approx(2.5)
+    assert comp["attention"]["tflops"]["value"] == pytest.approx(0.01)
+
+
+def test_inter_node_fitted_from_groups_that_cross_nodes(tmp_path):
+    # 8 ranks as 2 nodes of 4: (2,4) and (8,1)... cross; the planner divides the node's bandwidth
+    rd = write(tmp_path / "r", world=8, ranks_per_node=4)
+    built = profile_writer.build(rd, "two-nodes", "t.csv")
+    inter = built.profile["network"]["inter_node"]
+    assert inter["busbw_gbs"]["value"] == pytest.approx(INTER_BW / 1e9, rel=0.05)
+    assert "NOT MEASURED" not in inter["busbw_gbs"]["source"]
+    assert built.profile["gpus_per_node"]["value"] == 4
+    intra = {(g["size"], g["stride"]) for g in built.profile["network"]["intra_node"]["groups"]}
+    assert intra == set(BUSBW)
+
+
+def test_incomplete_run_is_refused(tmp_path):
+    rd = write(tmp_path / "r")
+    m = rd.meta()
+    m["status"] = "running"
+    rd.write_meta(m)
+    with pytest.raises(profile_writer.CalibrationError, match="did not finish"):
+        profile_writer.build(rd, "x", "x.csv")
