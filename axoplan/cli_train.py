@@ -3,6 +3,7 @@ for a world of one). torch is imported only inside the command."""
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
@@ -33,6 +34,8 @@ def train(config_path, print_config):
         # every rank read the same config and failed the same way: one sentence from rank 0 only,
         # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)
         if de.rank != 0:
+            # torchrun stops all ranks when the first one exits: give rank 0 time to print
+            time.sleep(3)
             sys.exit(2)
         raise
     from .runtime.train import run

@@ -25,7 +25,7 @@ class _VocabParallelCE(torch.autograd.Function):
         tgt = torch.where(inside.unsqueeze(-1), lf.gather(-1, idx), torch.zeros_like(gmax))
         sums = torch.cat([e.sum(-1, keepdim=True), tgt], -1)
         if rt.grid.group("y") is not None:  # fp32 whatever the collective dtype: this is the loss
-            dist.all_reduce(sums, group=rt.grid.group("y"))
+            rt.wait(dist.all_reduce(sums, group=rt.grid.group("y"), async_op=True))
         loss = torch.log(sums[:, 0]) + gmax[:, 0] - sums[:, 1]
         ctx.save_for_backward(logits, gmax, sums[:, :1], idx, inside)
         ctx.lo, ctx.vocab = lo, vocab

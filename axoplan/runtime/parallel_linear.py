@@ -13,6 +13,7 @@ recompute, backward), so each `gather` launches the next one asynchronously.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,14 @@ class Runtime:
         self._pending_rs: list[tuple[ShardedWeight, _Pending]] = []
         self.sequence_misses = 0  # gathers that did not follow the announced sequence (a bug if > 0)
         self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        # host time spent blocked on collectives: the exposed communication on CPU/gloo (with NCCL
+        # a wait only orders streams, so this stays near zero on GPUs)
+        self.blocked_s = 0.0
+
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.blocked_s += time.perf_counter() - t0
 
     # ---- collectives -----------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, axis: str, async_op=False, op=dist.ReduceOp.SUM):
@@ -90,13 +99,19 @@ class Runtime:
         if t.dtype != self.coll and t.dtype != torch.float64 and t.is_floating_point() and op == dist.ReduceOp.SUM:
             # reduce in the collective dtype, hand back in the tensor's own dtype
             tmp = t.to(self.coll)
-            work = dist.all_reduce(tmp, op=op, group=g, async_op=True)
-            return _CastBack(work, tmp, t) if async_op else _CastBack(work, tmp, t).wait()
-        return dist.all_reduce(t, op=op, group=g, async_op=async_op)
+            work = _CastBack(dist.all_reduce(tmp, op=op, group=g, async_op=True), tmp, t)
+        else:
+            work = dist.all_reduce(t, op=op, group=g, async_op=True)
+        if async_op:
+            return work
+        self.wait(work)
+        return None
 
     # ---- weight all-gather with prefetch (OAG) --------------------------------------------
     def start_sequence(self, seq: list[ShardedWeight]) -> None:
         """Announce the order of weight gathers of the coming forward/backward."""
+        if self._prefetched is not None and self._prefetched[2] is not None:
+            self.wait(self._prefetched[2])  # never leave a collective dangling
         self._seq, self._cursor, self._prefetched = list(seq), 0, None
 
     def _launch_gather(self, w: ShardedWeight):
@@ -122,7 +137,7 @@ class Runtime:
             if self._prefetched is not None and self._prefetched[0] == self._cursor:
                 _, flat, work = self._prefetched
                 if work is not None:
-                    work.wait()
+                    self.wait(work)
             self._prefetched = None
             self._cursor += 1
             if self.oag and self._cursor < len(self._seq):
@@ -133,7 +148,7 @@ class Runtime:
         if flat is None:
             flat, work = self._launch_gather(w)
             if work is not None:
-                work.wait()
+                self.wait(work)
         return flat[: w.numel].view(w.shape).to(self.cdt)
 
     # ---- gradient reduce-scatter (ORS) ---------------------------------------------------
@@ -151,7 +166,7 @@ class Runtime:
         if self.ors:
             self._pending_rs.append((w, _Pending(work, out)))
         else:
-            work.wait()
+            self.wait(work)
             self._accumulate(w, out)
 
     @staticmethod
@@ -161,11 +176,11 @@ class Runtime:
     def finish_backward(self) -> None:
         """End of one micro-batch's backward: collect the outstanding reduce-scatters."""
         for w, p in self._pending_rs:
-            p.work.wait()
+            self.wait(p.work)
             self._accumulate(w, p.buf)
         self._pending_rs.clear()
         if self._prefetched is not None and self._prefetched[2] is not None:
-            self._prefetched[2].wait()  # a prefetch nobody used: never leave a collective dangling
+            self.wait(self._prefetched[2])  # a prefetch nobody used: never leave a collective dangling
         self._prefetched = None
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -198,7 +213,7 @@ class _ParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x, shard, layer: LinearSpec, rt: Runtime):
         w = rt.gather(layer.weight)
         out = rt.mm(x, w).contiguous()
-        rt.all_reduce(out, layer.out_axis)
+        rt.all_reduce(out, layer.in_axis)  # partial sums over the in-features split
         ctx.layer, ctx.rt = layer, rt
         # under recompute the gathered weight is kept for this block's backward: no second gather
         ctx.save_for_backward(x, w if rt.keep_gathered else None)
@@ -212,10 +227,10 @@ class _ParallelLinearFn(torch.autograd.Function):
             w = rt.gather(layer.weight)
         dout = dout.contiguous()
         dx = rt.mm(dout, w.t()).contiguous()
-        handle = rt.all_reduce(dx, layer.in_axis, async_op=rt.oar)
+        handle = rt.all_reduce(dx, layer.out_axis, async_op=rt.oar)  # partial over the out-features split
         dw = rt.mm(x.t(), dout)  # OAR: runs while the dI all-reduce is in flight
         if handle is not None:
-            handle.wait()
+            rt.wait(handle)
         rt.reduce_scatter_grad(layer.weight, dw)
         return dx, None, None, None
 

@@ -150,11 +150,11 @@ class ReferenceGPT(torch.nn.Module):
         return ids[0, -n_new:].tolist() if n_new else []
 
 
-def reference_optimizer(model: ReferenceGPT, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def reference_optimizer(model: ReferenceGPT, lr: float, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
     named = model.named_full_parameters()
     groups = [{"params": [p for n, p in named if decays(n)], "weight_decay": weight_decay},
               {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=eps)
 
 
 def reference_step(model: ReferenceGPT, opt, tokens: torch.Tensor, grad_clip: float,
@@ -165,7 +165,7 @@ def reference_step(model: ReferenceGPT, opt, tokens: torch.Tensor, grad_clip: fl
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
-    return float(loss), float(norm)
+    return float(loss.detach()), float(norm)
 
 
 __all__ = ["ReferenceGPT", "full_param_shapes", "init_full_params", "reference_optimizer", "reference_step"]

@@ -23,7 +23,7 @@ from ..atomic import append_line, atomic_write_bytes
 from ..errors import UserError
 from ..launch import LaunchConfig
 from ..specs import ModelSpec, load_model
-from .checks import grid_problem
+from ..space import grid_problem
 from .data import local_indices, open_source
 from .dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
 from .goldfish import goldfish_keep
@@ -73,7 +73,9 @@ class Resolved:
 def resolve(cfg: LaunchConfig, local_rank: int = 0) -> Resolved:
     cuda = torch.cuda.is_available() and cfg.backend != "gloo"
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    # a launcher that binds one GPU per task shows each task a single device: wrap around
+    device = (torch.device(f"cuda:{local_rank % max(1, torch.cuda.device_count())}") if backend == "nccl"
+              else torch.device("cpu"))
     cdt = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     coll = DTYPES[cfg.collective_dtype] if cfg.collective_dtype != "auto" else cdt
     blas = cfg.blas_tuning == "on" or (cfg.blas_tuning == "auto" and device.type == "cuda")
@@ -102,7 +104,7 @@ def init_distributed(cfg: LaunchConfig, de: DistEnv | None = None) -> tuple[Dist
 # ---- the trainer -----------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: LaunchConfig, grid: ParallelGrid, res: Resolved, *, init_params=None,
-                 data_source=None):
+                 data_source=None, adam_eps: float = 1e-8):
         self.cfg, self.grid, self.res = cfg, grid, res
         self.spec = load_model(cfg.model)
         self.seq = cfg.seq_len or self.spec.seq_len
@@ -117,7 +119,7 @@ class Trainer:
         no_decay = [w.param for n, w in m.weights.items() if not decays(n)] + m.replicated_params()
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+                                     lr=cfg.lr, betas=(0.9, 0.95), eps=adam_eps)
         self.source = data_source or open_source(cfg.data, cfg.seed, self.seq + 1)
         c = grid.coords
         self.indices = local_indices(cfg.global_batch, grid.gdata, grid.gz, c.d, c.z)
@@ -191,10 +193,10 @@ class Trainer:
         c, model = self.grid.coords, self.model
         sq = torch.zeros((), dtype=torch.float64, device=self.res.device)
         if c.d == 0:
-            sq += model.grad_buffer.double().pow(2).sum()
+            sq += torch.linalg.vector_norm(model.grad_buffer).double() ** 2
             if c.y == 0 and c.z == 0:
                 for p in model.replicated_params():
-                    sq += p.grad.double().pow(2).sum()
+                    sq += torch.linalg.vector_norm(p.grad).double() ** 2
         if self.grid.size > 1:
             dist.all_reduce(sq)
         norm = float(sq.sqrt())

@@ -1,0 +1,62 @@
+"""The trainer computes the reference GPT: every grid of 1, 2, 4 and 8 gloo ranks (all ordered
+factorizations, several placement orders at 8), overlap flags on and off, checkpointing on and
+off, a Llama-style variant, goldfish loss and BLAS tuning; two optimizer steps each, compared
+with the single-process reference (losses, gradient norms, every shard of every rank, and the
+gathered full parameters). One process world per world size runs all of its cases."""
+import pytest
+
+pytest.importorskip("torch")
+
+from axoplan.runtime import selfcheck as sc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def refs():
+    cases = [c for w in (1, 2, 4, 8) for c in sc.default_cases(w)]
+    return sc.reference_runs(cases)
+
+
+def test_cases_cover_every_grid_and_flag():
+    for world in (1, 2, 4, 8):
+        cases = sc.default_cases(world)
+        assert {c.grid for c in cases} == set(sc.factorizations(world))
+        for attr in ("oar", "ors", "oag", "ckpt"):
+            assert {getattr(c, attr) for c in cases} == {True, False}
+    assert len({c.order for c in sc.default_cases(8)}) >= 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_parallel_equals_reference(world, refs):
+    results = sc.run_world(world, refs=refs, timeout=420)
+    assert len(results) == len(sc.default_cases(world))
+    bad = [r for r in results if not sc.passed(r)]
+    assert not bad, "\n".join(f"{r['case']}: {r}" for r in bad)
+
+
+def test_a_wrong_reference_is_caught(refs, tmp_path):
+    """The comparison can fail: against a reference trained with another learning rate, the same
+    case (run here in a world of one) is reported as different."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import yaml
+
+    case = sc.Case((1, 1, 1, 1))
+    key = (case.model, case.goldfish)
+    orig_lr = sc.LR
+    try:
+        sc.LR = orig_lr * 1.5
+        wrong = sc.reference_run(*key)
+    finally:
+        sc.LR = orig_lr
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(dataclasses.asdict(sc.MODELS["tiny"])))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        good = sc.run_case(case, refs[key], str(path))
+        bad = sc.run_case(case, wrong, str(path))
+    finally:
+        dist.destroy_process_group()
+    good["seconds"] = bad["seconds"] = 0.0
+    assert sc.passed(good)
+    assert not sc.passed(bad) and bad["param"] > 100 * sc.TOL
