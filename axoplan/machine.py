@@ -129,8 +129,7 @@ class MachineProfile:
         size = np.asarray(size, dtype=np.int64)
         stride = np.asarray(stride, dtype=np.int64)
         n = self.gpus_per_node
-        span = size * stride
-        inside = (span <= n) & (n % np.maximum(span, 1) == 0)
+        inside = self.group_inside(size, stride)
         out = np.empty(np.broadcast(size, stride).shape, dtype=np.float64)
         size_b, stride_b = np.broadcast_arrays(size, stride)
         inter = self.inter_busbw * self.corrections.inter_bw_scale / np.minimum(stride_b, n)
@@ -143,13 +142,15 @@ class MachineProfile:
         out[size_b <= 1] = np.inf
         return out
 
+    def group_inside(self, size, stride) -> np.ndarray:
+        """Whether every group of `size` members `stride` ranks apart sits inside one node."""
+        span = np.asarray(size, dtype=np.int64) * np.asarray(stride, dtype=np.int64)
+        n = self.gpus_per_node
+        return (span <= n) & (n % np.maximum(span, 1) == 0)
+
     def group_latency(self, size, stride) -> np.ndarray:
         """Latency per ring step (s) of a placed group."""
-        size = np.asarray(size, dtype=np.int64)
-        stride = np.asarray(stride, dtype=np.int64)
-        n = self.gpus_per_node
-        span = size * stride
-        inside = (span <= n) & (n % np.maximum(span, 1) == 0)
+        inside = self.group_inside(size, stride)
         return np.where(inside, self.intra_latency, self.inter_latency) * self.corrections.latency_scale
 
     # ---- GEMM time -------------------------------------------------------------------

@@ -29,9 +29,15 @@ P = {"x": 2, "y": 4, "z": 3, "d": 2}
 T = 1000  # tokens per GPU per micro-batch
 
 
+INSIDE = {"x": True, "y": False, "z": False, "d": False}
+
+
 def ar_time(nbytes, axis):
+    """Ring all-reduce; across nodes the latency takes NCCL's tree when that is fewer steps:
+    Y (p=4) crossing nodes: 2*min(3, log2 4 = 2) = 4 latency steps instead of 6."""
     p = P[axis]
-    return 2 * (p - 1) / p * nbytes / BW[axis] + 2 * (p - 1) * LAT[axis]
+    steps = p - 1 if INSIDE[axis] else min(p - 1, int(np.ceil(np.log2(p))))
+    return 2 * (p - 1) / p * nbytes / BW[axis] + 2 * steps * LAT[axis]
 
 
 def ag_time(nbytes, axis):
@@ -134,8 +140,17 @@ def test_data_parallel_collectives(prof, groups):
     g = got[("gradients", "d")]
     assert g.kind == "all_reduce" and g.nbytes[0] == 4e6  # fp32
     assert g.seconds[0] == pytest.approx(ar_time(4e6, "d"))
-    assert got[("replicated", "z")].nbytes[0] == 4e3 and got[("replicated", "d")].nbytes[0] == 4e3
-    assert got[("replicated", "z")].seconds[0] == pytest.approx(ar_time(4e3, "z"))
+    # replicated parameters, token count and loss over Z and D together (6 GPUs): as slow as the slower
+    # of Z and D (20 GB/s, 20 us), crossing nodes, so tree latency: 2*min(5, ceil(log2 6) = 3) steps
+    zd_bw, zd_steps = 20 * GB, 3
+    for layer, nbytes in (("replicated", 4e3), ("token count", 8.0), ("loss", 8.0)):
+        c = got[(layer, "zd")]
+        assert c.kind == "all_reduce" and c.nbytes[0] == nbytes
+        assert c.seconds[0] == pytest.approx(2 * 5 / 6 * nbytes / zd_bw + 2 * zd_steps * 20 * US)
+    # the gradient norm over all 48 GPUs: slowest axis 20 GB/s, latency 20 us, 2*min(47, 6) steps
+    c = got[("gradient norm", "all")]
+    assert c.seconds[0] == pytest.approx(2 * 47 / 48 * 8 / (20 * GB) + 2 * 6 * 20 * US)
+    assert len(dp) == 5
 
 
 def test_shard_elems_pads_to_a_multiple_of_gz():
@@ -184,10 +199,12 @@ def test_explain_collectives_table_by_hand(pm):
     ex = explain(m, pm, 32, 8, (2, 4, 2, 2), order="xyz", micro_batch=1, checkpointing=False)
     tab = ex.collectives
     assert (tab["group_size"] > 1).all()
-    bw = {"x": 76.0, "y": 40.0, "z": 20.0, "d": 20.0}
-    lat = {"x": 9e-6, "y": 9e-6, "z": 9e-6, "d": 9e-6}
-    size = {"x": 2, "y": 4, "z": 2, "d": 2}
-    stride = {"x": 1, "y": 2, "z": 8, "d": 16}
+    # zd: Z and D together (4 GPUs, as slow as the slower member); all: the 32 GPUs
+    bw = {"x": 76.0, "y": 40.0, "z": 20.0, "d": 20.0, "zd": 20.0, "all": 20.0}
+    lat = {a: 9e-6 for a in bw}
+    size = {"x": 2, "y": 4, "z": 2, "d": 2, "zd": 4, "all": 32}
+    stride = {"x": 1, "y": 2, "z": 8, "d": 16, "zd": 8, "all": 1}
+    inside = {"x": True, "y": False, "z": False, "d": False, "zd": False, "all": False}
     ga, L = 2, 2
     expect = {
         # (layer, phase, collective, axis): (bytes, calls per step)
@@ -218,8 +235,10 @@ def test_explain_collectives_table_by_hand(pm):
         # LM head 2048/2 and embedding 2048/2: 8192 elements
         ("gradients", "step", "all_reduce", "d"): (8192 * 4, 1),
         # replicated: (2L+1) norm weights of H/gx plus S*H/gx learned positions = 160 + 2048
-        ("replicated", "step", "all_reduce", "z"): (2208 * 4, 1),
-        ("replicated", "step", "all_reduce", "d"): (2208 * 4, 1),
+        ("replicated", "step", "all_reduce", "zd"): (2208 * 4, 1),
+        ("token count", "step", "all_reduce", "zd"): (8, 1),
+        ("loss", "step", "all_reduce", "zd"): (8, 1),
+        ("gradient norm", "step", "all_reduce", "all"): (8, 1),
     }
     rows = {(r.layer, r.phase, r.collective, r.axis): r for r in tab.itertuples(index=False)}
     for key, (nbytes, calls) in expect.items():
@@ -232,7 +251,8 @@ def test_explain_collectives_table_by_hand(pm):
         assert r.busbw_gbs == pytest.approx(bw[ax]), key
         p = size[ax]
         if key[2] == "all_reduce":
-            t = 2 * (p - 1) / p * nbytes / (bw[ax] * 1e9) + 2 * (p - 1) * lat[ax]
+            steps = p - 1 if inside[ax] else min(p - 1, int(np.ceil(np.log2(p))))  # tree across nodes
+            t = 2 * (p - 1) / p * nbytes / (bw[ax] * 1e9) + 2 * steps * lat[ax]
         else:
             t = (p - 1) / p * nbytes / (bw[ax] * 1e9) + (p - 1) * lat[ax]
         assert r.time_per_call_s == pytest.approx(t, rel=1e-9), key

@@ -34,33 +34,51 @@ class Groups:
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency):
+def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True):
     """Ring collectives: all-reduce moves 2(p-1)/p of the buffer in 2(p-1) steps, all-gather and
     reduce-scatter (p-1)/p in p-1 steps (nbytes: the per-GPU buffer of an all-reduce, the full
-    gathered buffer of an all-gather, the full input of a reduce-scatter: nccl-tests conventions)."""
+    gathered buffer of an all-gather, the full input of a reduce-scatter: nccl-tests conventions).
+    Across nodes an all-reduce may take NCCL's tree instead, whose latency grows as log2(p): the
+    cheaper step count is used there (it only matters for small messages over large groups)."""
     p = np.asarray(p, dtype=np.float64)
     hops = 2.0 if kind == "all_reduce" else 1.0
+    steps = p - 1
+    if kind == "all_reduce":
+        tree = np.ceil(np.log2(np.maximum(p, 1)))
+        steps = np.where(inside, steps, np.minimum(steps, tree))
     per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
-    fixed = hops * (p - 1) * latency * profile.coll_lat_scale[kind]
+    fixed = hops * steps * latency * profile.coll_lat_scale[kind]
     return per_byte, fixed
 
 
 def place(profile: MachineProfile, c: Candidates) -> Groups:
+    """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
+    together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
+    slowest member axis."""
     sx, sy, sz, sd = strides(c.gx, c.gy, c.gz, c.order)
     size = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata}
     stride = {"x": sx, "y": sy, "z": sz, "d": sd}
     busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
     lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
+    inside = {a: profile.group_inside(size[a], stride[a]) for a in size}
+    for name, axes in (("zd", "zd"), ("all", "xyzd")):
+        size[name] = np.prod([size[a] for a in axes], axis=0)
+        stride[name] = np.min([np.where(size[a] > 1, stride[a], np.iinfo(np.int64).max) for a in axes], axis=0)
+        stride[name] = np.where(size[name] > 1, stride[name], 1)
+        busbw[name] = np.min([busbw[a] for a in axes], axis=0)
+        lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
+        inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
     per_byte, fixed = {}, {}
     for a in size:
         for kind in KINDS:
-            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a])
+            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a],
+                                                                    inside[a])
     return Groups(size, stride, busbw, lat, per_byte, fixed)
 
 
-def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency) -> np.ndarray:
-    """Seconds of one ring collective over a group of p (0 when p == 1)."""
-    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency)
+def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True) -> np.ndarray:
+    """Seconds of one collective over a group of p (0 when p == 1)."""
+    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency, inside)
     return np.asarray(nbytes, dtype=np.float64) * per_byte + fixed
 
 
@@ -78,7 +96,8 @@ class Collective:
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    return Collective(layer, phase, kind, axis, nbytes, nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind])
+    t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
+    return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
 
 
 def linear_axes(lin: LinearShape) -> tuple[str, str]:
@@ -131,10 +150,13 @@ def loss_collective(profile, g: Groups, tokens) -> Collective:
 
 
 def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements) -> list[Collective]:
-    """Once per step: the fp32 gradient shards all-reduced over D; replicated parameters (norm
-    weights, positions) all-reduced over Z and D."""
+    """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
+    buffer); replicated parameters (norm weights, positions) over Z and D together; the kept-token
+    count and the loss over Z and D; the squared gradient norm over every GPU."""
     return [
         _coll(profile, g, "gradients", "step", "all_reduce", "d", shard_elements * FP32),
-        _coll(profile, g, "replicated", "step", "all_reduce", "z", replicated_elements * FP32),
-        _coll(profile, g, "replicated", "step", "all_reduce", "d", replicated_elements * FP32),
+        _coll(profile, g, "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
+        _coll(profile, g, "token count", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, g, "loss", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, g, "gradient norm", "step", "all_reduce", "all", 8.0),
     ]
