@@ -157,8 +157,9 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     norm_block_f = [norm_f.seconds, 0.0, norm_f.seconds, 0.0]
     fwd_block = [Window(l.name, gem[i].fwd + extra_f[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
                         col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
-    emb_f = Window("embedding", ew_emb + ko, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
-    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * ko, col_lm["ar_fwd"].seconds + norm_f.seconds
+    k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
+    emb_f = Window("embedding", ew_emb + k_out_f / 4, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
+    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * k_out_f / 4, col_lm["ar_fwd"].seconds + norm_f.seconds
                   + loss_c.seconds, col_lm["ag"].seconds, _zero(n))
 
     # backward windows
@@ -173,10 +174,10 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                       cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
 
     ar_lm = col_lm["ar_bwd"].seconds
-    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 6 * ko,
+    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 3 * k_out_b / 4,
                   (np.maximum(ar_lm - gem_lm.wgrad, 0.0) if overlap else ar_lm) + norm_b.seconds,
                   col_lm["ag"].seconds, col_lm["rs"].seconds)
-    emb_b = Window("embedding", ew_emb + 2 * ko, _zero(n), _zero(n), col_emb["rs"].seconds)
+    emb_b = Window("embedding", ew_emb + k_out_b / 4, _zero(n), _zero(n), col_emb["rs"].seconds)
 
     rec_f = [] if explain else None
     rec_b = [] if explain else None
@@ -210,7 +211,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
     step_colls = C.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated)
     t_dp = sum(s.seconds for s in step_colls)
-    t_opt = K.optimizer_seconds(profile, shard + replicated, 4 * L + 2)
+    n_tensors = 6 * L + 3 + (model.position == "learned")  # 4 weights and 2 norms per block; embedding, head, norm
+    t_opt = K.optimizer_seconds(profile, shard + replicated, n_tensors)
 
     batch = grad_acc * (t_fwd + t_bwd) + t_dp + t_opt + profile.corrections.step_overhead_s
     compute_total = grad_acc * comp_mb + t_opt

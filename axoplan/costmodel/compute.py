@@ -10,11 +10,16 @@ from ..machine import MachineProfile
 from ..specs import LinearShape, ModelSpec
 from .comm import linear_axes
 
-# Non-GEMM kernels the trainer launches per block (a GEMM's launch is part of its time): two norms with
-# their statistics, attention with its reshapes, activation, two residual adds; backward about twice.
-KERNELS_FWD_PER_BLOCK = 20
-KERNELS_BWD_PER_BLOCK = 40
-KERNELS_PER_LINEAR_STEP = 12  # optimizer (AdamW on one shard) and gradient bookkeeping per weight per step
+# Compute kernels (not GEMMs, whose launch is part of their time; not views, which launch nothing)
+# the bundled trainer dispatches, counted with benchmarks/trainer_op_counts.py (GPT block, layernorm,
+# GELU): per block forward and backward (the recompute repeats the forward), outside the blocks
+# (embedding, final norm, LM head, loss), and AdamW per parameter tensor plus a fixed part per step.
+KERNELS_FWD_PER_BLOCK = 32
+KERNELS_BWD_PER_BLOCK = 41
+KERNELS_FWD_OUTSIDE = 46
+KERNELS_BWD_OUTSIDE = 40
+KERNELS_PER_PARAM_STEP = 11
+KERNELS_STEP_FIXED = 14
 # AdamW traffic per fp32 shard element: read param, grad, m, v; write param, m, v.
 OPTIMIZER_BYTES_PER_ELEMENT = 28
 
@@ -70,6 +75,6 @@ def loss_elementwise_bytes(model: ModelSpec, gy, tokens) -> np.ndarray:
     return tokens * (model.padded_vocab / gy) * 4 * 5
 
 
-def optimizer_seconds(profile: MachineProfile, shard_elements, n_weights: int) -> np.ndarray:
+def optimizer_seconds(profile: MachineProfile, shard_elements, n_param_tensors: int) -> np.ndarray:
     return (elementwise_seconds(profile, shard_elements * OPTIMIZER_BYTES_PER_ELEMENT)
-            + n_weights * KERNELS_PER_LINEAR_STEP * profile.kernel_overhead)
+            + (n_param_tensors * KERNELS_PER_PARAM_STEP + KERNELS_STEP_FIXED) * profile.kernel_overhead)
