@@ -36,7 +36,9 @@ class Corrections:
     intra_bw_scale: float = 1.0
     inter_bw_scale: float = 1.0
     latency_scale: float = 1.0
-    step_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0  # fixed time added to every step
+    kernel_overhead_scale: float = 1.0  # multiplies the per-kernel launch cost
+    collective_overhead_s: float = 0.0  # fixed time added to every collective call (dispatch, rank skew)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,11 @@ class MachineProfile:
     @property
     def peak_tflops(self) -> float:
         return self.peak_flops / TFLOP
+
+    @property
+    def launch_cost(self) -> float:
+        """Seconds per kernel launch, corrected."""
+        return self.kernel_overhead * self.corrections.kernel_overhead_scale
 
     @property
     def dtype_bytes(self) -> int:
@@ -170,7 +177,7 @@ class MachineProfile:
             eff = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
             t_compute = flop / (self.gemm_ceiling * eff * scale)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
-            return np.maximum(t_compute, t_memory) + self.kernel_overhead, np.zeros(shape, dtype=bool)
+            return np.maximum(t_compute, t_memory) + self.launch_cost, np.zeros(shape, dtype=bool)
         tab = self.gemm_table
         pts = np.stack([m.ravel(), n.ravel(), k.ravel()], axis=-1)
         uniq, inv = np.unique(pts, axis=0, return_inverse=True)
@@ -453,7 +460,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     # latency scale and the fixed per-step overhead may be zero
     corrections = Corrections(**{
         f.name: rd.num(corr, f.name, "corrections", default=f.default,
-                       allow_zero=f.name in ("latency_scale", "step_overhead_s"))
+                       allow_zero=f.name in ("latency_scale", "step_overhead_s", "kernel_overhead_scale",
+                                              "collective_overhead_s"))
         for f in dataclasses.fields(Corrections)
     }) if corr else Corrections()
 

@@ -129,7 +129,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
     grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
     T = (mb * S).astype(np.float64)
-    ko = profile.kernel_overhead
+    ko = profile.launch_cost
     g = C.place(profile, c)
 
     # ---- per layer: GEMMs and collectives --------------------------------------------

@@ -48,6 +48,7 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
         steps = np.where(inside, steps, np.minimum(steps, tree))
     per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
     fixed = hops * steps * latency * profile.coll_lat_scale[kind]
+    fixed = fixed + np.where(p > 1, profile.corrections.collective_overhead_s, 0.0)
     return per_byte, fixed
 
 

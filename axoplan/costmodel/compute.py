@@ -77,4 +77,4 @@ def loss_elementwise_bytes(model: ModelSpec, gy, tokens) -> np.ndarray:
 
 def optimizer_seconds(profile: MachineProfile, shard_elements, n_param_tensors: int) -> np.ndarray:
     return (elementwise_seconds(profile, shard_elements * OPTIMIZER_BYTES_PER_ELEMENT)
-            + (n_param_tensors * KERNELS_PER_PARAM_STEP + KERNELS_STEP_FIXED) * profile.kernel_overhead)
+            + (n_param_tensors * KERNELS_PER_PARAM_STEP + KERNELS_STEP_FIXED) * profile.launch_cost)

@@ -1,0 +1,590 @@
+"""`axoplan validate`: run ranked candidates for real, record each run as it finishes, and score how
+well the prediction ranked them (Kendall tau, Spearman rho, top-1/top-3, regret, error), with a plot
+in the manner of the AxoNN paper's Figure 2.
+
+One sweep lives in one folder OUT:
+    OUT/sweep.json          the sweep's arguments (a resumed sweep must match them)
+    OUT/plan.csv            the candidates in predicted order (rank columns + candidate id)
+    OUT/runs/<id>/          each candidate's run directory, written by launch.write_run_dir, + run.log
+    OUT/results.csv         one line per finished run, appended as it finishes
+    OUT/summary.json        the scores; OUT/ranking.png the plot
+Torch is never imported here: candidates run as `bash launch_torchrun.sh` in their own process group.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from .atomic import append_line, atomic_write_text
+from .errors import UserError
+from .launch import (CONFIG_NAME, TORCHRUN_NAME, _directive_safe, _env_lines, config_from_row, is_cpu_profile,
+                     launch_env, nodes_for, slurm_time, write_run_dir)
+from .rank import COLUMNS
+
+STATUSES = ("ok", "oom", "failed", "timeout")
+JOB_COLUMNS = ["candidate", "model", "machine", "gpus", "global_batch", "seq_len"]
+RESULT_COLUMNS = JOB_COLUMNS + COLUMNS + ["measured_time_s", "status", "error", "steps", "warmup_steps", "wall_s"]
+SWEEP_FILE, PLAN_FILE, RESULTS_FILE, SUMMARY_FILE, PLOT_FILE = (
+    "sweep.json", "plan.csv", "results.csv", "summary.json", "ranking.png")
+ARRAY_FILE = "validate_array.sbatch"
+LOG_NAME = "run.log"
+
+
+@dataclass
+class Sweep:
+    """The arguments of one validate sweep."""
+
+    model: str
+    machine: str
+    gpus: int
+    global_batch: int
+    seq_len: int | None = None
+    top_k: int | None = 5  # None with all=True
+    all: bool = False  # every feasible grid and order
+    steps: int = 10
+    warmup_steps: int = 3
+    timeout_s: float = 600.0
+    micro_batch: int | None = None
+    checkpointing: str = "both"
+
+    def check(self) -> "Sweep":
+        if self.top_k is not None and self.top_k <= 0:
+            raise UserError(f"--top-k must be a positive integer, got {self.top_k}")
+        if self.steps <= self.warmup_steps:
+            raise UserError(f"--steps ({self.steps}) must be larger than --warmup ({self.warmup_steps}): "
+                            f"the median is taken over the steps after warm-up")
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup must be >= 0, got {self.warmup_steps}")
+        if self.timeout_s <= 0:
+            raise UserError(f"--timeout must be positive, got {self.timeout_s}")
+        return self
+
+
+# ---- which candidates ------------------------------------------------------------------------
+def distinct_configs(df: pd.DataFrame) -> pd.DataFrame:
+    """The best-predicted row of every (grid, order), in predicted order: a sweep measures grids and
+    placements, with the micro-batch and checkpointing the planner would pick for each."""
+    feas = df[df["feasible"].astype(bool)]
+    return feas.drop_duplicates(subset=["gx", "gy", "gz", "gdata", "order"], keep="first").reset_index(drop=True)
+
+
+def candidate_id(i: int, row) -> str:
+    ck = "-ckpt" if bool(row["checkpointing"]) else ""
+    return (f"c{i:02d}-{int(row['gx'])}x{int(row['gy'])}x{int(row['gz'])}x{int(row['gdata'])}-{row['order']}"
+            f"-mb{int(row['micro_batch'])}{ck}")
+
+
+def plan_candidates(sw: Sweep) -> pd.DataFrame:
+    from .rank import rank
+
+    df = rank(sw.model, sw.machine, sw.gpus, sw.global_batch, seq_len=sw.seq_len, micro_batch=sw.micro_batch,
+              checkpointing=sw.checkpointing)
+    plan = distinct_configs(df)
+    if not sw.all and sw.top_k is not None:
+        plan = plan.head(sw.top_k)
+    plan = plan.copy()
+    plan.insert(0, "candidate", [candidate_id(i + 1, r) for i, r in enumerate(plan.to_dict("records"))])
+    plan.attrs.update(df.attrs)
+    return plan
+
+
+# ---- running one candidate ---------------------------------------------------------------------
+@dataclass
+class RunResult:
+    measured_time_s: float | None
+    status: str
+    error: str
+    wall_s: float
+    summary: dict | None = None
+
+
+_OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory|Signal 9 \(SIGKILL\)|"
+                  r"exitcode\s*:\s*-9\b", re.I)
+_TIME_LIMIT = re.compile(r"DUE TO TIME LIMIT", re.I)
+
+
+def parse_log(text: str) -> RunResult:
+    """Status and measured time of one run from its output: the trainer's last line with
+    "summary": true gives the median time per batch after warm-up."""
+    summary = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"summary"' in line:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("summary") is True:
+                summary = rec
+    if summary is not None and isinstance(summary.get("median_batch_time_s"), (int, float)):
+        return RunResult(float(summary["median_batch_time_s"]), "ok", "", 0.0, summary)
+    if _TIME_LIMIT.search(text):
+        return RunResult(None, "timeout", "the scheduler stopped it at its time limit", 0.0)
+    status = "oom" if _OOM.search(text) else "failed"
+    return RunResult(None, status, error_line(text), 0.0)
+
+
+def error_line(text: str, limit: int = 300) -> str:
+    """The most telling line of a failed run's output, one line."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    pick = None
+    for pat in (r"^error: ", r"(Error|Exception)\b.*:", r"error", r"Signal \d+"):
+        hits = [l for l in lines if re.search(pat, l, re.I)]
+        if hits:
+            pick = hits[-1] if pat != r"^error: " else hits[0]
+            break
+    if pick is None:
+        pick = lines[-1] if lines else "no output"
+    pick = " ".join(pick.split())
+    return pick if len(pick) <= limit else pick[:limit - 3] + "..."
+
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below root. torchrun starts its workers in new sessions,
+    so killing our process group alone could leave them running: they are found by parent links."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            st = _proc_start(c)
+            if st is not None:
+                out.append((c, st))
+                todo.append(c)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a run started with start_new_session=True: SIGTERM to its group (torchrun forwards it to
+    its workers), then SIGKILL to whatever of the tree is left."""
+    tree = _descendants(proc.pid)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if sig == signal.SIGKILL:
+            for pid, st in tree:
+                if _proc_start(pid) == st:  # the same process, not a reused pid
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGTERM and not any(_proc_start(p) == st for p, st in tree):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def default_launcher(run_dir: Path, gpus: int) -> tuple[list[str], dict]:
+    """The emitted torchrun script itself, on this one node with all ranks here."""
+    env = {"NNODES": "1", "NPROC_PER_NODE": str(gpus), "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    return ["bash", str(run_dir / TORCHRUN_NAME)], env
+
+
+def run_one(run_dir: Path, gpus: int, timeout_s: float,
+            launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher) -> RunResult:
+    """Run one candidate, its output in run_dir/run.log; a run past timeout_s is killed (whole tree)."""
+    argv, extra = launcher(run_dir, gpus)
+    env = dict(os.environ, **extra)
+    log_path = run_dir / LOG_NAME
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            wall = time.monotonic() - t0
+            return RunResult(None, "timeout", f"no result after {timeout_s:.0f} s; killed", wall)
+        except BaseException:  # Ctrl-C: leave nothing running behind us
+            kill_tree(proc, grace_s=3.0)
+            raise
+    wall = time.monotonic() - t0
+    text = log_path.read_text(errors="replace")
+    res = parse_log(text)
+    res.wall_s = wall
+    if res.status == "ok" and rc != 0:
+        res = RunResult(res.measured_time_s, "failed", f"exit code {rc} after its summary: {error_line(text)}", wall,
+                        res.summary)
+    elif res.status != "ok" and rc == 0:
+        res.error = "exited 0 without a summary line: " + res.error
+    return res
+
+
+# ---- results.csv -------------------------------------------------------------------------------
+def _csv_line(values: list) -> str:
+    buf = io.StringIO()
+    # one record per physical line (newlines inside values become spaces), so a line cut short by a
+    # crash can never swallow the next record
+    csv.writer(buf, lineterminator="\n").writerow(
+        ["" if v is None or (isinstance(v, float) and math.isnan(v)) else " ".join(v.splitlines())
+         if isinstance(v, str) else v for v in values])
+    return buf.getvalue()
+
+
+def append_result(path: Path, row: dict) -> None:
+    """One finished run, appended and flushed: an interrupted sweep keeps every finished record."""
+    line = _csv_line([row.get(c) for c in RESULT_COLUMNS])
+    if not path.exists() or path.stat().st_size == 0:
+        append_line(path, _csv_line(RESULT_COLUMNS))
+    else:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a line cut short by a crash: end it, read_results drops it
+                line = "\n" + line
+    append_line(path, line)
+
+
+def read_results(path: str | Path) -> pd.DataFrame:
+    """results.csv as a DataFrame; a line cut short by a crash is dropped."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UserError(f"cannot read results file '{p}': {e.strerror or e}") from None
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(next(csv.reader([line]), []))
+        except csv.Error:
+            rows.append([])
+    if not rows or not {"candidate", "gx", "measured_time_s", "status"} <= set(rows[0]):
+        raise UserError(f"'{p}' is not an axoplan validate results file (no header with candidate, gx, "
+                        f"measured_time_s, status)")
+    head = rows[0]
+    good = [r for r in rows[1:] if len(r) == len(head) and r[head.index("status")] in STATUSES]
+    df = pd.DataFrame(good, columns=head)
+    num = ["gpus", "global_batch", "seq_len", "rank", "gx", "gy", "gz", "gdata", "micro_batch", "batch_time_s",
+           "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak",
+           "measured_time_s", "steps", "warmup_steps", "wall_s"]
+    for c in num:
+        if c in df:
+            df[c] = pd.to_numeric(df[c].replace("", np.nan), errors="coerce")
+    for c in ("checkpointing", "feasible"):
+        if c in df:
+            df[c] = df[c].astype(str).str.lower().isin(("true", "1"))
+    # the last record of a candidate wins (a collect after a re-run)
+    return df.drop_duplicates(subset=["candidate"], keep="last").reset_index(drop=True)
+
+
+# ---- scoring -----------------------------------------------------------------------------------
+def score(results: pd.DataFrame) -> dict:
+    """Ranking quality of the prediction (batch_time_s) against the measurement (measured_time_s) over
+    the runs that finished ok. Positions count among those runs, in predicted order."""
+    from scipy import stats
+
+    counts = {s: int((results["status"] == s).sum()) for s in STATUSES}
+    ok = results[(results["status"] == "ok") & results["measured_time_s"].notna()].copy()
+    out: dict = {"candidates": int(len(results)), "ok": len(ok), "status_counts": counts}
+    if len(ok) == 0:
+        out["note"] = "no run finished ok: nothing to score"
+        return out
+    ok = ok.sort_values(["batch_time_s", "rank"], kind="stable").reset_index(drop=True)
+    pred = ok["batch_time_s"].to_numpy(float)
+    meas = ok["measured_time_s"].to_numpy(float)
+    best = int(np.argmin(meas))
+    ape = np.abs(pred - meas) / meas
+    out.update({
+        "kendall_tau": float(stats.kendalltau(pred, meas).statistic) if len(ok) >= 2 else None,
+        "spearman_rho": float(stats.spearmanr(pred, meas).statistic) if len(ok) >= 2 else None,
+        "measured_best": str(ok.loc[best, "candidate"]),
+        "measured_best_time_s": float(meas[best]),
+        "measured_best_predicted_position": best + 1,
+        "best_in_top1": bool(best < 1),
+        "best_in_top3": bool(best < 3),
+        "predicted_best": str(ok.loc[0, "candidate"]),
+        "predicted_best_measured_time_s": float(meas[0]),
+        "regret": float(meas[0] / meas[best] - 1.0),
+        "mean_abs_pct_error": float(100 * ape.mean()),
+        "max_abs_pct_error": float(100 * ape.max()),
+        "median_pred_over_measured": float(np.median(pred / meas)),
+    })
+    if len(ok) >= 2 and (np.isnan(out["kendall_tau"]) or np.isnan(out["spearman_rho"])):
+        out["note"] = "constant predictions or measurements: rank correlations undefined"
+        out["kendall_tau"] = out["spearman_rho"] = None
+    failed_first = results.sort_values("batch_time_s", kind="stable").iloc[0]
+    if failed_first["status"] != "ok":
+        out["note"] = (f"the predicted best overall ({failed_first['candidate']}) did not finish ok "
+                       f"({failed_first['status']}): scores are over the runs that did")
+    return out
+
+
+def format_score(s: dict) -> str:
+    if not s.get("ok"):
+        return f"{s.get('candidates', 0)} candidates, none finished ok ({s.get('status_counts')})"
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [f"runs: {s['ok']} ok of {s['candidates']} ({', '.join(f'{k} {v}' for k, v in s['status_counts'].items() if v)})",
+             f"Kendall tau {f(s['kendall_tau'], '.3f')}   Spearman rho {f(s['spearman_rho'], '.3f')}",
+             f"measured best {s['measured_best']} ({s['measured_best_time_s']:.4g} s) is predicted #{s['measured_best_predicted_position']}"
+             f"  (top-1: {'yes' if s['best_in_top1'] else 'no'}, top-3: {'yes' if s['best_in_top3'] else 'no'})",
+             f"regret of the predicted best {s['predicted_best']}: {100 * s['regret']:.1f}%",
+             f"prediction error: mean {s['mean_abs_pct_error']:.1f}%, max {s['max_abs_pct_error']:.1f}% "
+             f"(median predicted/measured {s['median_pred_over_measured']:.3g})"]
+    if s.get("note"):
+        lines.append("note: " + s["note"])
+    return "\n".join(lines)
+
+
+# ---- the plot -----------------------------------------------------------------------------------
+def plot(results: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Left: measured (and predicted) time per batch against predicted rank, failed runs marked on the
+    axis; right: predicted against measured with the y = x line. As AxoNN's Figure 2 (SC24)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = results.sort_values(["batch_time_s", "rank"], kind="stable").reset_index(drop=True)
+    pos = np.arange(1, len(df) + 1)
+    ok = (df["status"] == "ok").to_numpy() & df["measured_time_s"].notna().to_numpy()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.3))
+    a.plot(pos, df["batch_time_s"], "o", mfc="none", color="tab:gray", label="predicted")
+    a.plot(pos[ok], df["measured_time_s"][ok], "o-", color="tab:blue", label="measured")
+    if ok.any():
+        i = int(np.argmin(np.where(ok, df["measured_time_s"].fillna(np.inf), np.inf)))
+        a.plot([pos[i]], [df["measured_time_s"][i]], "*", ms=16, color="tab:red", label="measured best")
+    if (~ok).any():
+        ymin = np.nanmin(np.concatenate([df["batch_time_s"].to_numpy(float),
+                                         df["measured_time_s"].to_numpy(float)[ok]]))
+        a.plot(pos[~ok], np.full((~ok).sum(), ymin), "x", color="black", label="failed / oom / timeout")
+    a.set_xlabel("predicted rank")
+    a.set_ylabel("time per batch (s)")
+    a.set_xticks(pos if len(pos) <= 20 else pos[::max(1, len(pos) // 20)])
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    if ok.any():
+        p, m = df["batch_time_s"][ok].to_numpy(float), df["measured_time_s"][ok].to_numpy(float)
+        b.plot(m, p, "o", color="tab:blue")
+        lo, hi = min(p.min(), m.min()) * 0.9, max(p.max(), m.max()) * 1.1
+        b.plot([lo, hi], [lo, hi], "--", color="tab:gray", label="y = x")
+        b.set_xlim(lo, hi)
+        b.set_ylim(lo, hi)
+        if hi / lo > 20:
+            b.set_xscale("log")
+            b.set_yscale("log")
+        b.legend(fontsize=8)
+    b.set_xlabel("measured time per batch (s)")
+    b.set_ylabel("predicted time per batch (s)")
+    b.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    from .atomic import atomic_write_bytes
+
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+# ---- the sweep -----------------------------------------------------------------------------------
+def _sweep_title(sw: Sweep) -> str:
+    return f"{sw.model} on {sw.gpus} x {Path(sw.machine).stem}, global batch {sw.global_batch}"
+
+
+def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
+    """Write (or, on resume, check) sweep.json, plan.csv and the run directories."""
+    from .machine import load_profile
+
+    sweep_path, plan_path, res_path = out / SWEEP_FILE, out / PLAN_FILE, out / RESULTS_FILE
+    mine = asdict(sw)
+    if sweep_path.exists():
+        try:
+            theirs = json.loads(sweep_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            theirs = None
+        if not resume and res_path.exists() and res_path.stat().st_size > 0:
+            raise UserError(f"'{out}' already holds a sweep's results: pass --resume to continue it, or choose "
+                            f"another --out")
+        if resume and theirs != mine:
+            diff = sorted(k for k in mine if (theirs or {}).get(k) != mine[k])
+            raise UserError(f"--resume: the sweep in '{out}' was started with other arguments "
+                            f"({', '.join(diff) or 'unreadable sweep.json'}); use the same ones or another --out")
+    plan = plan_candidates(sw)
+    if resume and plan_path.exists():
+        old = pd.read_csv(plan_path)
+        if list(old["candidate"]) != list(plan["candidate"]):
+            raise UserError(f"--resume: the planner now ranks other candidates than the sweep in '{out}' "
+                            f"(the profile or model changed); start a new sweep with another --out")
+    profile = load_profile(sw.machine)
+    machine_ref = str(Path(profile.path).resolve()) if profile.path else sw.machine
+    atomic_write_text(sweep_path, json.dumps(mine, indent=1) + "\n")
+    atomic_write_text(plan_path, plan[["candidate"] + COLUMNS].to_csv(index=False))
+    recs = plan.to_dict("records")
+    for i, row in enumerate(recs):
+        cfg = config_from_row(row, sw.model, sw.global_batch, sw.seq_len, machine=machine_ref, steps=sw.steps,
+                              warmup_steps=sw.warmup_steps)
+        runner_up = recs[1] if i == 0 and len(recs) > 1 else recs[0] if i > 0 else None
+        write_run_dir(out / "runs" / row["candidate"], cfg, profile, row, runner_up,
+                      command=f"axoplan validate (candidate {i + 1} of {len(recs)})",
+                      candidates=plan.attrs.get("candidates"), feasible=plan.attrs.get("feasible"),
+                      slurm_time_s=sw.timeout_s)
+    return plan
+
+
+def _result_row(sw: Sweep, row: dict, res: RunResult) -> dict:
+    d = {c: row.get(c) for c in COLUMNS}
+    d.update(candidate=row["candidate"], model=sw.model, machine=sw.machine, gpus=sw.gpus,
+             global_batch=sw.global_batch, seq_len=sw.seq_len, measured_time_s=res.measured_time_s,
+             status=res.status, error=res.error, steps=sw.steps, warmup_steps=sw.warmup_steps,
+             wall_s=round(res.wall_s, 3))
+    return d
+
+
+def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> dict:
+    """Score results.csv, save summary.json and ranking.png, print the scores."""
+    res = read_results(out / RESULTS_FILE)
+    s = score(res)
+    atomic_write_text(out / SUMMARY_FILE, json.dumps(s, indent=1) + "\n")
+    plot(res, out / PLOT_FILE, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret "
+                                              f"{100 * s['regret']:.1f}%)" if s.get("kendall_tau") is not None else ""))
+    echo(format_score(s))
+    echo(f"wrote {out / RESULTS_FILE}, {out / SUMMARY_FILE}, {out / PLOT_FILE}")
+    return s
+
+
+def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[str], None] = print,
+              launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher,
+              runner: Callable[..., RunResult] = run_one) -> dict:
+    """Plan, emit and run every candidate not yet recorded, appending to results.csv as each finishes;
+    then score. Returns the summary dict."""
+    sw.check()
+    out = Path(out)
+    plan = _prepare(sw, out, resume)
+    res_path = out / RESULTS_FILE
+    done = set(read_results(res_path)["candidate"]) if res_path.exists() and res_path.stat().st_size else set()
+    todo = [r for r in plan.to_dict("records") if r["candidate"] not in done]
+    if done:
+        echo(f"resuming: {len(done)} of {len(plan)} candidates already recorded, {len(todo)} to run")
+    else:
+        echo(f"{len(plan)} candidates of {_sweep_title(sw)}; runs in {out / 'runs'}")
+    for j, row in enumerate(todo, 1):
+        run_dir = (out / "runs" / row["candidate"]).resolve()
+        res = runner(run_dir, sw.gpus, sw.timeout_s, launcher=launcher)
+        append_result(res_path, _result_row(sw, row, res))
+        meas = f"{res.measured_time_s:.4g} s" if res.measured_time_s is not None else "-"
+        echo(f"[{len(done) + j}/{len(plan)}] {row['candidate']}: {res.status:7s} measured {meas:>10s}  "
+             f"predicted {row['batch_time_s']:.4g} s  ({res.wall_s:.0f} s)" + (f"  {res.error}" if res.error else ""))
+    return finish(out, _sweep_title(sw), echo)
+
+
+# ---- Slurm: a job array of the candidates, then --collect ------------------------------------
+def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
+    """Emit every candidate and one sbatch job array that runs them (each array task one candidate,
+    its output in runs/<id>/run.log); `axoplan validate --collect OUT` scores what came back."""
+    from .machine import load_profile
+    import shlex
+
+    sw.check()
+    out = Path(out).resolve()
+    plan = _prepare(sw, out, resume=(out / SWEEP_FILE).exists())
+    profile = load_profile(sw.machine)
+    nodes, per = nodes_for(sw.gpus, profile.gpus_per_node)
+    ids = list(plan["candidate"])
+    lines = ["#!/bin/bash",
+             "#SBATCH --job-name=axoplan-validate",
+             f"#SBATCH --array=0-{len(ids) - 1}",
+             f"#SBATCH --nodes={nodes}",
+             f"#SBATCH --ntasks={sw.gpus}",
+             f"#SBATCH --ntasks-per-node={per}"]
+    if not is_cpu_profile(profile):
+        lines.append(f"#SBATCH --gpus-per-node={per}")
+    lines.append(f"#SBATCH --time={slurm_time(sw.timeout_s)}")
+    if _directive_safe(str(out)):
+        lines.append(f"#SBATCH --output={out}/runs/slurm-%A_%a.out")
+    lines += [f"# axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task.",
+              f"# Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
+              f"{shlex.quote(str(out))}",
+              "set -euo pipefail",
+              "# shellcheck disable=SC2016  # quoted paths are literal on purpose",
+              f"OUT={shlex.quote(str(out))}",
+              "RUNS=(" + " ".join(shlex.quote(i) for i in ids) + ")",
+              'RUN_DIR="$OUT/runs/${RUNS[$SLURM_ARRAY_TASK_ID]}"',
+              'cd "$RUN_DIR"',
+              'PYTHON="${PYTHON:-python3}"',
+              'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+              "export MASTER_ADDR",
+              "# array tasks may share a node: one port each",
+              'export MASTER_PORT="$((29500 + SLURM_ARRAY_TASK_ID % 1000))"',
+              *_env_lines(launch_env(profile)),
+              f'srun --ntasks={sw.gpus} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
+              f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}" > "$RUN_DIR/{LOG_NAME}" 2>&1']
+    path = atomic_write_text(out / ARRAY_FILE, "\n".join(lines) + "\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+def collect(out: str | Path, echo: Callable[[str], None] = print) -> dict:
+    """Score a Slurm sweep: read each candidate's run.log (and the array's slurm-*.out for time
+    limits), rewrite results.csv atomically, then score as a local sweep."""
+    out = Path(out)
+    try:
+        sw = Sweep(**json.loads((out / SWEEP_FILE).read_text()))
+        plan = pd.read_csv(out / PLAN_FILE)
+    except (OSError, json.JSONDecodeError, TypeError, pd.errors.ParserError) as e:
+        raise UserError(f"'{out}' holds no validate sweep (sweep.json and plan.csv): {e}") from None
+    lines = [_csv_line(RESULT_COLUMNS)]
+    missing = []
+    for i, row in enumerate(plan.to_dict("records")):
+        run_dir = out / "runs" / row["candidate"]
+        text = ""
+        for p in [run_dir / LOG_NAME] + sorted((out / "runs").glob(f"slurm-*_{i}.out")):
+            if p.exists():
+                text += p.read_text(errors="replace") + "\n"
+        if not text.strip():
+            missing.append(row["candidate"])
+            res = RunResult(None, "failed", "no run log: not run yet, or its output was lost", 0.0)
+        else:
+            res = parse_log(text)
+        lines.append(_csv_line([_result_row(sw, row, res).get(c) for c in RESULT_COLUMNS]))
+    atomic_write_text(out / RESULTS_FILE, "".join(lines))
+    if missing:
+        echo(f"{len(missing)} of {len(plan)} candidates have no log yet: {', '.join(missing[:5])}"
+             + (" ..." if len(missing) > 5 else ""))
+    return finish(out, _sweep_title(sw), echo)
+
+
+__all__ = ["Sweep", "RunResult", "RESULT_COLUMNS", "STATUSES", "append_result", "collect", "distinct_configs",
+           "finish", "parse_log", "plan_candidates", "plot", "read_results", "run_one", "run_sweep", "score",
+           "write_slurm_array"]

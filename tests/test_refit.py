@@ -1,0 +1,137 @@
+"""`axoplan refit`: recovers known corrections from measurements the planner itself generated with
+them, reports before/after/leave-one-out error, writes a new valid profile and never the old one."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from axoplan.cli import main
+from axoplan.machine import load_profile
+from axoplan.rank import rank
+from axoplan.refit import PARAMS, choose_params, predict, refit, runs_from_results
+from axoplan.validate import RESULT_COLUMNS, distinct_configs
+
+TRUE = {"gemm_scale": 0.6, "intra_bw_scale": 0.7, "inter_bw_scale": 0.4, "latency_scale": 3.0,
+        "step_overhead_s": 2e-4}
+
+
+def synthetic_results(path, model, profile_path, true: dict, jobs, noise: float = 0.0, seed: int = 0, every: int = 1):
+    """results.csv as validate writes it, with measured times = the planner's prediction under `true`
+    corrections (times a log-normal noise factor)."""
+    prof = load_profile(str(profile_path))
+    rng = np.random.default_rng(seed)
+    rows = []
+    for gpus, gb in jobs:
+        df = distinct_configs(rank(str(model), prof, gpus, gb)).iloc[::every]
+        for i, r in enumerate(df.to_dict("records")):
+            r.update(candidate=f"g{gpus}b{gb}c{i:02d}", model=str(model), machine=str(profile_path), gpus=gpus,
+                     global_batch=gb, seq_len="", status="ok", error="", steps=10, warmup_steps=3, wall_s=1.0)
+            rows.append(r)
+    df = pd.DataFrame(rows)
+    runs = runs_from_results(df.assign(measured_time_s=1.0, seq_len=None))
+    df["measured_time_s"] = predict(prof, runs, true) * np.exp(noise * rng.standard_normal(len(df)))
+    df[RESULT_COLUMNS].to_csv(path, index=False)
+    return df
+
+
+@pytest.fixture
+def setup(tmp_path, write_profile, model_yaml):
+    # a model big enough that compute, bandwidth and latency all show; 2 GPUs per node so 8 GPUs span nodes
+    model = model_yaml(name="mid", n_layers=4, hidden=1024, n_heads=16, vocab=4096, seq_len=512)
+    prof = write_profile(name="two-per-node", gpus_per_node=2, intra_groups=((2, 1, 100),), inter_busbw_gbs=20)
+    return tmp_path, model, prof
+
+
+def test_refit_recovers_known_corrections(setup):
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, TRUE, [(8, 32), (8, 64), (4, 16)])
+    out = tmp / "refit.yaml"
+    r = refit(str(res), str(prof), str(out), params=list(TRUE))
+    for k, v in TRUE.items():
+        assert r.after[k] == pytest.approx(v, rel=0.02), k
+    assert r.mape_after < 0.5 and r.mape_before > 20 and r.mape_loo < 1.0
+    new = load_profile(str(out))
+    assert new.corrections.gemm_scale == pytest.approx(TRUE["gemm_scale"], rel=0.02)
+    src = yaml.safe_load(out.read_text())["corrections"]["source"]
+    assert "axoplan refit" in src and str(res) in src and f"{r.n_runs} ok runs" in src
+    assert new.name == "refit"
+
+
+def test_auto_params_fit_what_the_runs_determine_and_generalise(setup):
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, TRUE, [(8, 32), (8, 64), (4, 16)], noise=0.03, every=3)
+    p = load_profile(str(prof))
+    df = pd.read_csv(res)
+    chosen = choose_params(p, runs_from_results(df))
+    assert chosen and set(chosen) <= set(PARAMS)
+    assert {"gemm_scale", "inter_bw_scale", "latency_scale"} <= set(chosen)  # the corrections that are off
+    r = refit(str(res), str(prof), str(tmp / "auto.yaml"))
+    assert r.params == chosen
+    # 3% noise: after refit and leave-one-out the error is near the noise, far below before
+    assert r.mape_after < 6 and r.mape_loo < 8 and r.mape_before > 4 * r.mape_loo
+
+
+def test_one_node_runs_cannot_fit_inter_node_bandwidth(tmp_path, write_profile, model_yaml):
+    model = model_yaml(name="mid", n_layers=4, hidden=1024, n_heads=16, vocab=4096, seq_len=512)
+    prof = write_profile(name="four", gpus_per_node=4)
+    res = tmp_path / "r.csv"
+    synthetic_results(res, model, prof, {"gemm_scale": 0.5}, [(4, 16), (4, 32)])
+    chosen = choose_params(load_profile(str(prof)), runs_from_results(pd.read_csv(res)))
+    assert "inter_bw_scale" not in chosen  # no group leaves the node: it changes no prediction
+
+
+def test_refit_cli_never_edits_the_old_profile(setup, capsys):
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, TRUE, [(8, 32)], every=2)
+    before = prof.read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["refit", "--results", str(res), "--machine", str(prof), "--out", str(prof)])
+    assert e.value.code == 2 and "never edits" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["refit", "--results", str(res), "--machine", str(prof), "--out", str(tmp / "new.yaml"),
+              "--params", "gemm_scale,latency_scale"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "leave-one-out" in out and "gemm_scale" in out
+    assert prof.read_text() == before
+    with pytest.raises(SystemExit) as e:
+        main(["refit", "--results", str(res), "--machine", str(prof), "--out", str(tmp / "n2.yaml"), "--params", "bogus"])
+    assert e.value.code == 2 and "unknown correction" in capsys.readouterr().err
+
+
+def test_refit_keeps_a_relative_gemm_table_valid(tmp_path, write_profile, model_yaml):
+    rows = ["m,n,k,layout,seconds"]
+    for m in (64, 4096):
+        for n in (64, 4096):
+            for k in (64, 4096):
+                for lay in ("NN", "NT", "TN"):
+                    rows.append(f"{m},{n},{k},{lay},{2 * m * n * k / 1e14:.6g}")
+    (tmp_path / "tab.csv").write_text("\n".join(rows) + "\n")
+    prof = write_profile(name="withtab", gemm_table="tab.csv")
+    model = model_yaml(name="mid", n_layers=2, hidden=512, n_heads=8, vocab=1024, seq_len=256)
+    res = tmp_path / "r.csv"
+    synthetic_results(res, model, prof, {"gemm_scale": 0.5}, [(4, 16)])
+    (tmp_path / "sub").mkdir()
+    out = tmp_path / "sub" / "new.yaml"
+    refit(str(res), str(prof), str(out), params=["gemm_scale"])
+    assert load_profile(str(out)).gemm_table is not None
+    assert yaml.safe_load(out.read_text())["compute"]["gemm"]["table"]["path"] == "../tab.csv"
+
+
+def test_refit_errors_are_one_sentence(tmp_path, pm_path, capsys):
+    bad = tmp_path / "r.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit) as e:
+        main(["refit", "--results", str(bad), "--machine", str(pm_path), "--out", str(tmp_path / "n.yaml")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
+    cols = ",".join(RESULT_COLUMNS)
+    failed = tmp_path / "f.csv"
+    failed.write_text(cols + "\n")  # a header and no finished run
+    with pytest.raises(SystemExit) as e:
+        main(["refit", "--results", str(failed), "--machine", str(pm_path), "--out", str(tmp_path / "n.yaml")])
+    assert e.value.code == 2 and "no run that finished ok" in capsys.readouterr().err
