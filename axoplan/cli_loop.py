@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from .errors import UserError
+from .cli_plan import parse_grid
 from .launch import ORDERS
 
 
@@ -25,16 +26,6 @@ def _require(**kw):
     missing = [k for k, v in kw.items() if v is None]
     if missing:
         raise UserError("missing option(s) " + ", ".join("--" + m.replace("_", "-") for m in missing))
-
-
-def _parse_grid(grid: str) -> tuple[int, int, int, int]:
-    try:
-        vals = tuple(int(v) for v in grid.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 4 or min(vals) <= 0:
-        raise UserError(f"--grid must be four positive integers GX,GY,GZ,GDATA, got '{grid}'")
-    return vals
 
 
 def _command_line() -> str:
@@ -111,7 +102,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
         raise UserError("--order goes with --grid (a ranked row has its own order)")
     if steps <= 0 or warmup < 0:
         raise UserError(f"--steps must be positive and --warmup non-negative, got {steps} and {warmup}")
-    g = _parse_grid(grid) if grid is not None else None
+    g = parse_grid(grid) if grid is not None else None
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
                                       checkpointing)
     profile = load_profile(machine)

@@ -149,7 +149,7 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
     _emit(_render(parts), output)
 
 
-def _parse_grid(grid: str) -> tuple[int, int, int, int]:
+def parse_grid(grid: str) -> tuple[int, int, int, int]:
     try:
         vals = tuple(int(v) for v in grid.split(","))
     except ValueError:
@@ -171,7 +171,7 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
             output):
     """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""
     ck = None if checkpointing == "best" else checkpointing == "on"
-    ex = explain_api(model, machine, gpus, global_batch, _parse_grid(grid), order=order, seq_len=seq_len,
+    ex = explain_api(model, machine, gpus, global_batch, parse_grid(grid), order=order, seq_len=seq_len,
                      micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap)
     if fmt == "json":
         out = {"summary": json.loads(ex.summary[COLUMNS].to_json(orient="records"))[0],
