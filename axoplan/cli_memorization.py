@@ -10,14 +10,9 @@ from .errors import UserError
 def _grid(value: str | None):
     if value is None:
         return None
-    parts = value.lower().replace("x", ",").split(",")
-    try:
-        g = tuple(int(p) for p in parts)
-    except ValueError:
-        g = ()
-    if len(g) != 4 or min(g) < 1:
-        raise UserError(f"--grid takes four positive integers gx,gy,gz,gdata (e.g. 1,2,1,1), got '{value}'")
-    return g
+    from .cli_plan import parse_grid  # the one --grid syntax of explain and emit
+
+    return parse_grid(value)
 
 
 def _eval_at(value: str | None):
