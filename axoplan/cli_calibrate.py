@@ -101,8 +101,12 @@ def _validate_written(built, table_rows_csv: str, profile_text: str) -> None:
 
 def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
     s = built.summary
-    load = [x for x in (meta.get("loadavg_start") or [None])[:1] + (meta.get("loadavg_end") or [None])[:1] if x]
+    # the measurement's own ranks count in the load at the end: only load beyond them is other work
     cores = meta.get("cpu_count") or 1
+    own = meta.get("world") or meta.get("ranks_per_node") or 0
+    start = (meta.get("loadavg_start") or [0])[0] or 0
+    end = max((meta.get("loadavg_end") or [0])[0] or 0, 0) - own
+    load = [x for x in (start, end) if x]
     if load and not meta.get("cuda") and max(load) > cores:
         click.echo(f"warning: the machine was busy during calibration (load average up to {max(load):.1f} on "
                    f"{cores} cores): other work slowed the measurements; rerun on a quiet machine", err=True)
