@@ -23,8 +23,9 @@ from .errors import UserError
 from .launch import ORDERS
 from .machine import Corrections, MachineProfile, load_profile
 
-SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale")
-ADD_PARAMS = ("step_overhead_s",)
+SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",
+                "kernel_overhead_scale")
+ADD_PARAMS = ("step_overhead_s", "collective_overhead_s")
 PARAMS = SCALE_PARAMS + ADD_PARAMS
 DOC = {
     "gemm_scale": "multiplies GEMM and attention throughput",
@@ -33,6 +34,8 @@ DOC = {
     "inter_bw_scale": "multiplies inter-node collective bandwidth",
     "latency_scale": "multiplies per-ring-step collective latency",
     "step_overhead_s": "fixed seconds added to every step (Python, optimizer launch, barriers)",
+    "kernel_overhead_scale": "multiplies the per-kernel launch cost",
+    "collective_overhead_s": "fixed seconds added to every collective call (dispatch, ranks arriving late)",
 }
 LOG_BOUND = np.log(20.0)
 
