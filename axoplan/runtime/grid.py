@@ -8,6 +8,7 @@ one-axis group equals the coordinate on that axis (the flat Z shards rely on it)
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,11 @@ class ParallelGrid:
 
     def destroy(self) -> None:
         """Release the sub-groups (tests build one grid after another in the same world)."""
+        if self._owned and dist.is_initialized() and sys.exc_info()[0] is None:
+            # no rank may tear a group down while a peer still has work queued on it: gloo aborts the
+            # process ("terminate called without an active exception") when that happens. Not while an
+            # exception unwinds: the peers may be stuck elsewhere, and failing fast matters more then.
+            dist.barrier()
         for g in self._owned:
             try:
                 dist.destroy_process_group(g)

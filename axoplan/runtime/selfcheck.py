@@ -178,6 +178,7 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], refs: dict, out
         results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst})
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
+    dist.barrier()  # every rank done with every group before any of them tears the world down
     dist.destroy_process_group()
 
 
