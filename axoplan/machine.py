@@ -25,6 +25,8 @@ US = 1e-6
 LAYOUTS = ("NN", "NT", "TN")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SCHEMA = "axoplan-profile/1"
+TOP_LEVEL_KEYS = {"schema", "name", "description", "device", "dtype", "gpus_per_node", "memory", "compute", "network",
+                  "corrections", "calibration", "launch", "source"}
 
 
 @dataclass(frozen=True)
@@ -420,6 +422,9 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     dtype = d.get("dtype", "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
         rd.fail("dtype", f"must be bf16, fp16 or fp32, got {dtype!r}")
+    unknown = sorted(set(d) - TOP_LEVEL_KEYS)
+    if unknown:
+        rd.fail(unknown[0], f"is not a profile field (known: {', '.join(sorted(TOP_LEVEL_KEYS))})")
     _check_all_numbers_sourced(d, "", rd)
 
     gpn = rd.num(d, "gpus_per_node")
@@ -434,6 +439,10 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     inter = rd.section(net, "inter_node", "network")
     colls = rd.section(net, "collectives", "network", required=False)
     corr = rd.section(d, "corrections", required=False)
+    known_corr = {f.name for f in dataclasses.fields(Corrections)} | {"source"}
+    bad_corr = sorted(set(corr) - known_corr)
+    if bad_corr:
+        rd.fail(f"corrections.{bad_corr[0]}", f"is not a correction (known: {', '.join(sorted(known_corr - {'source'}))})")
 
     groups = intra.get("groups")
     if not isinstance(groups, list) or not groups:

@@ -318,3 +318,20 @@ def test_zero_throughput_correction_is_rejected(write_profile, field):
 def test_headroom_must_leave_memory(write_profile):
     msg = _err(write_profile(capacity_gib=40, headroom_gib=50))
     assert "'memory.headroom_gib'" in msg
+
+
+def test_unknown_top_level_field_is_named(write_profile, tmp_path):
+    import yaml
+
+    path = write_profile()
+    d = yaml.safe_load(open(path))
+    d["netwrok"] = {"source": "typo"}
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(yaml.safe_dump(d))
+    msg = _err(bad)
+    assert "'netwrok'" in msg and "is not a profile field" in msg
+
+
+def test_unknown_correction_is_named(write_profile):
+    msg = _err(write_profile(corrections={"gemm_scal": 2.0}))
+    assert "'corrections.gemm_scal'" in msg
