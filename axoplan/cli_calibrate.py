@@ -82,19 +82,17 @@ def _last_error_line(log_path: Path) -> str:
     return ""
 
 
-def _validate_written(built, table_rows_csv: str, profile_text: str) -> None:
+def _validate_written(built) -> None:
     """Load the profile with the planner's own loader before it replaces anything."""
     try:
         from .machine import load_profile
     except ImportError:  # the planner's loader is not there yet: nothing to check against
         return
     with tempfile.TemporaryDirectory() as d:
-        name = built.profile["name"]
-        (Path(d) / built.profile["compute"]["gemm"]["table"]["path"]).write_text(table_rows_csv)
-        p = Path(d) / f"{name}.yaml"
-        p.write_text(profile_text)
+        for fname, text in built.files().items():
+            (Path(d) / fname).write_text(text)
         try:
-            load_profile(str(p))
+            load_profile(str(Path(d) / f"{built.profile['name']}.yaml"))
         except UserError as e:
             raise UserError(f"the measured profile does not pass the planner's schema check ({e})") from None
 
@@ -118,10 +116,16 @@ def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
                f"dim_half {s['dim_half']:.0f}")
     click.echo(f"  memory bandwidth  {s['bandwidth_gbs']:.1f} GB/s per rank, element-wise efficiency "
                f"{s['elementwise_efficiency']:.2f}")
-    click.echo(f"  op overhead       {s['kernel_overhead_us']:.1f} us")
+    if "bare_op_us" in s:
+        click.echo(f"  kernel overhead   {s['kernel_overhead_us']:.1f} us per kernel in the trainer "
+                   f"(a bare op: {s['bare_op_us']:.1f} us)")
+    else:
+        click.echo(f"  op overhead       {s['kernel_overhead_us']:.1f} us")
     click.echo(f"  attention         {s['attention_tflops'] * 1e3:.1f} GFLOP/s, causal/full time "
                f"{s['causal_ratio']:.2f}, backward/forward {s['backward_factor']:.2f}")
     click.echo(f"  ring latency      {s['latency_us']:.0f} us per step")
+    if "overlap_efficiency" in s:
+        click.echo(f"  overlap           {s['overlap_efficiency']:.2f} of a background collective hides behind compute")
     bw = ", ".join(f"{k}: {v:.2f}" for k, v in s["busbw_gbs"].items())
     click.echo(f"  busbw (size x stride, GB/s)  {bw}")
     click.echo(f"  network model fit error      rms {s['network_model_rms_rel_err']:.0%}, "
@@ -158,7 +162,7 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
 
         for m in models.split(","):
             load_model(m.strip())  # an unknown preset fails here, not in the workers
-    from calibration.profile_writer import CalibrationError, fits_csv, profile_yaml, table_csv
+    from calibration.profile_writer import CalibrationError, fits_csv
     from calibration.results_io import ResultsDir
 
     if emit_slurm is not None:
@@ -207,11 +211,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
         built = profile_writer.build(rd, name, f"{name}_gemm.csv")
     except CalibrationError as e:
         raise UserError(f"cannot make a profile from {results_p}: {e}") from None
-    table_text, prof_text = table_csv(built.table_rows), profile_yaml(built.profile)
-    _validate_written(built, table_text, prof_text)
+    _validate_written(built)
     from .atomic import atomic_write_text
 
     atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
-    atomic_write_text(out_p.parent / f"{name}_gemm.csv", table_text)
-    atomic_write_text(out_p, prof_text)
+    for fname, text in built.files().items():  # the tables first, the profile that names them last
+        atomic_write_text(out_p if fname == f"{name}.yaml" else out_p.parent / fname, text)
     _print_summary(out_p, built, wall, rd.meta())

@@ -60,6 +60,31 @@ class GemmTable:
 
 
 @dataclass(frozen=True)
+class CollectiveTable:
+    """Measured seconds per call of each collective on each intra-node group shape, every group of
+    the shape busy at once (the calibration's collectives.csv), for log-log interpolation in bytes.
+    Where ranks share cores the calibration times calls after compute bursts of several lengths
+    (`burst_s`, 0 = back to back): a call waits longer for peers the OS descheduled the longer
+    they computed, so the planner interpolates in burst length too."""
+
+    curves: dict  # (kind, size, stride) -> ((burst s, log bytes ascending, log seconds), ...) by burst
+    path: str = ""
+
+    def covers(self, kind: str, size: int, stride: int) -> bool:
+        return (kind, int(size), int(stride)) in self.curves
+
+
+@dataclass(frozen=True)
+class AttentionTable:
+    """Measured causal attention per local shape (batch, heads, seq, head_dim): forward seconds and
+    backward seconds, all ranks at once. Where a shape was measured the planner takes it as it is:
+    throughput varies by an order of magnitude with head_dim and sequence on CPUs and small GPUs."""
+
+    shapes: dict  # (batch, heads, seq, head_dim) -> (forward s, backward s)
+    path: str = ""
+
+
+@dataclass(frozen=True)
 class MachineProfile:
     name: str
     description: str
@@ -85,6 +110,9 @@ class MachineProfile:
     coll_lat_scale: dict = field(default_factory=lambda: {c: 1.0 for c in COLLECTIVES})
     corrections: Corrections = field(default_factory=Corrections)
     gemm_table: GemmTable | None = None
+    coll_table: CollectiveTable | None = None
+    attn_table: AttentionTable | None = None
+    overlap_efficiency: float = 1.0  # share of the shorter of compute and a background collective hidden
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -409,6 +437,103 @@ def _load_gemm_table(path: Path, rd: _Reader) -> GemmTable:
     return GemmTable(grid_m, grid_n, grid_k, log_tput, exact, str(path))
 
 
+def _non_decreasing(y: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks = []  # [sum, count]
+    for v in y:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, n2 = blocks.pop()
+            blocks[-1][0] += s2
+            blocks[-1][1] += n2
+    return np.concatenate([np.full(n, s_ / n) for s_, n in blocks])
+
+
+def _load_collective_table(path: Path, rd: _Reader, gpus_per_node: int) -> CollectiveTable:
+    where = "network.intra_node.table.path"
+    rows = _read_csv(path, rd, where, {"collective", "size", "stride", "bytes", "seconds"})
+    points: dict = {}
+    for r in rows:
+        try:
+            key = (r["collective"].strip(), int(float(r["size"])), int(float(r["stride"])))
+            nbytes, sec = float(r["bytes"]), float(r["seconds"])
+            burst = float(r.get("burst_s") or 0.0)
+        except ValueError:
+            rd.fail(where, f"'{path}' has a non-numeric row: {r}")
+        if key[0] not in COLLECTIVES:
+            rd.fail(where, f"'{path}' names an unknown collective {key[0]!r}")
+        # only groups inside one node: across nodes the rings share NICs, which the alpha-beta model handles
+        if nbytes <= 0 or sec <= 0 or key[1] < 2 or key[1] * key[2] > gpus_per_node or gpus_per_node % (key[1] * key[2]):
+            continue
+        points.setdefault(key, {}).setdefault(burst, {})[nbytes] = sec
+    curves = {}
+    for key, by_burst in points.items():
+        cs = []
+        for burst, pts in sorted(by_burst.items()):
+            if len(pts) < 2:
+                continue
+            b = np.array(sorted(pts), dtype=np.float64)
+            # a collective never gets cheaper with more bytes: a dip is timing noise, pooled away
+            cs.append((burst, np.log(b), np.log(_non_decreasing(np.array([pts[x] for x in sorted(pts)])))))
+        if cs:
+            curves[key] = tuple(cs)
+    if not curves:
+        rd.fail(where, f"'{path}' holds no intra-node group with two or more sizes")
+    return CollectiveTable(curves, str(path))
+
+
+def _read_csv(path: Path, rd: _Reader, where: str, need: set) -> list[dict]:
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        rd.fail(where, f"names '{path}', which cannot be read ({e.strerror or e})")
+    if not rows or not need <= set(rows[0]):
+        rd.fail(where, f"'{path}' needs columns {', '.join(sorted(need))}")
+    return rows
+
+
+def _load_attention_table(path: Path, rd: _Reader) -> AttentionTable:
+    where = "compute.attention.table.path"
+    rows = _read_csv(path, rd, where, {"batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"})
+    t = {}
+    for r in rows:
+        try:
+            key = tuple(int(float(r[k])) for k in ("batch", "heads", "seq", "head_dim"))
+            sec = float(r["seconds"])
+        except ValueError:
+            rd.fail(where, f"'{path}' has a non-numeric row: {r}")
+        if str(r["causal"]).strip().lower() in ("true", "1") and sec > 0:
+            t[key + (str(r["pass"]).strip(),)] = sec
+    shapes = {}
+    for key in {k[:4] for k in t}:
+        f, fb = t.get(key + ("forward",)), t.get(key + ("forward_backward",))
+        if f and fb:
+            shapes[key] = (f, max(fb - f, 0.0))
+    if not shapes:
+        rd.fail(where, f"'{path}' holds no shape with causal forward and forward_backward times")
+    return AttentionTable(shapes, str(path))
+
+
+def _overlap_efficiency(net: dict, rd: _Reader) -> float:
+    v = rd.num(net, "overlap_efficiency", "network", default=1.0, allow_zero=True)
+    if v > 1:
+        rd.fail("network.overlap_efficiency", f"must be between 0 and 1, got {v:g}")
+    return v
+
+
+def _table_path(d: dict, key: str, base_dir: Path | None, rd: _Reader) -> Path | None:
+    tab = d.get("table")
+    if not tab:
+        return None
+    if not isinstance(tab, dict) or not isinstance(tab.get("path"), str):
+        rd.fail(key, "must be {path: FILE.csv, source: ...}")
+    if not _has_source(tab):
+        rd.fail(key, "has no source (name the calibration run)")
+    p = Path(tab["path"])
+    return p if p.is_absolute() else (base_dir or Path.cwd()) / p
+
+
 def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> MachineProfile:
     rd = _Reader(where)
     if not isinstance(d, dict):
@@ -486,6 +611,11 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
             tp = (base_dir or Path.cwd()) / tp
         table = _load_gemm_table(tp, rd)
 
+    cp = _table_path(intra, "network.intra_node.table", base_dir, rd)
+    coll_table = _load_collective_table(cp, rd, int(gpn)) if cp else None
+    ap = _table_path(attn, "compute.attention.table", base_dir, rd)
+    attn_table = _load_attention_table(ap, rd) if ap else None
+
     causal = attn.get("causal_skip", True)
     if not isinstance(causal, bool):
         rd.fail("compute.attention.causal_skip", "must be true or false")
@@ -520,6 +650,9 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         coll_lat_scale=lat_scale,
         corrections=corrections,
         gemm_table=table,
+        coll_table=coll_table,
+        attn_table=attn_table,
+        overlap_efficiency=_overlap_efficiency(net, rd),
         path=None,
         raw=d,
     )

@@ -3,8 +3,10 @@ runs, by re-evaluating the planner on the measured configurations with candidate
 
 The fit is least squares on log(predicted / measured), so every run counts by its relative error,
 over bounded parameters: the multiplicative scales in log space (1/20 .. 20), the fixed per-step
-overhead in seconds (0 .. the fastest measured step). Which corrections are fitted ("auto"): those
-the measured runs can tell apart, most influential first (see choose_params). The result is a NEW
+overhead in seconds (0 .. the fastest measured step). Which corrections are fitted ("auto"): among
+those the measured runs can tell apart (choose_params), the ones forward selection by the Bayesian
+information criterion keeps (select_params); the leave-one-out error, never used to choose, then
+says honestly how well the fit generalises. The result is a NEW
 profile whose `corrections` section names the refit; the old profile is never touched.
 """
 from __future__ import annotations
@@ -167,6 +169,30 @@ def choose_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, min_
     return [candidates[j] for j in kept]
 
 
+def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS) -> list[str]:
+    """Forward selection by the Bayesian information criterion on the log errors: among the
+    corrections these runs can determine (choose_params), add the one that lowers
+    n*log(mean squared log error) + k*log(n) the most, while any does. The leave-one-out error is
+    not used here, so it stays an honest estimate for the set chosen."""
+    pool = choose_params(profile, runs, candidates)
+    n = len(runs)
+
+    def bic(params):
+        f = fit(profile, runs, params)
+        return n * np.log(max(f.rms_log_error, 1e-12) ** 2) + len(params) * np.log(n)
+
+    chosen: list[str] = []
+    best = bic(chosen)
+    while len(chosen) < len(pool):
+        scores = {p: bic(chosen + [p]) for p in pool if p not in chosen}
+        p, v = min(scores.items(), key=lambda kv: kv[1])
+        if v >= best:
+            break
+        chosen.append(p)
+        best = v
+    return chosen
+
+
 @dataclass
 class Fit:
     params: list
@@ -221,7 +247,7 @@ class Report:
 
 def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: bool = True) -> Report:
     if params == "auto":
-        params = choose_params(profile, runs)
+        params = select_params(profile, runs)
     else:
         params = list(params)
         unknown = [p for p in params if p not in PARAMS]
@@ -231,6 +257,8 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
     f = fit(profile, runs, params)
     after_pred = predict(profile, runs, f.corrections)
     loo_pred = None
+    if loo and not params:
+        loo_pred = before_pred  # nothing fitted: every run is predicted without itself already
     if loo and len(runs) >= 3 and params:
         loo_pred = np.empty(len(runs))
         for i in range(len(runs)):
@@ -250,7 +278,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
 
 
 def format_report(r: Report) -> str:
-    lines = [f"{r.n_runs} measured runs; fitted: {', '.join(r.params) or 'nothing (no correction is determined by these runs)'}"]
+    lines = [f"{r.n_runs} measured runs; fitted: {', '.join(r.params) or 'nothing (no correction the runs determine lowers the information criterion: they support none)'}"]
     for k in PARAMS:
         mark = "  (fitted)" if k in r.params else ""
         lines.append(f"  {k:18s} {r.before[k]:10.4g} -> {r.after[k]:10.4g}{mark}   {DOC[k]}")
@@ -265,8 +293,8 @@ def format_report(r: Report) -> str:
 
 
 def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str) -> dict:
-    """The old profile's YAML mapping with refitted corrections and the new name; a relative GEMM table
-    path is rewritten to stay valid from the new file's folder."""
+    """The old profile's YAML mapping with refitted corrections and the new name; relative paths of
+    measured tables (GEMM, attention, collectives) are rewritten to stay valid from the new file's folder."""
     if not profile.path:
         raise UserError("refit needs a profile read from a YAML file")
     src = Path(profile.path)
@@ -275,10 +303,11 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     d["name"] = name
     d["description"] = f"{d.get('description', '')} [corrections refit {today} by axoplan refit]".strip()
-    tab = ((d.get("compute") or {}).get("gemm") or {}).get("table")
-    if isinstance(tab, dict) and isinstance(tab.get("path"), str) and not Path(tab["path"]).is_absolute():
-        abs_tab = (src.parent / tab["path"]).resolve()
-        tab["path"] = os.path.relpath(abs_tab, out.resolve().parent)
+    for section, sub in (("compute", "gemm"), ("compute", "attention"), ("network", "intra_node")):
+        tab = ((d.get(section) or {}).get(sub) or {}).get("table")
+        if isinstance(tab, dict) and isinstance(tab.get("path"), str) and not Path(tab["path"]).is_absolute():
+            abs_tab = (src.parent / tab["path"]).resolve()
+            tab["path"] = os.path.relpath(abs_tab, out.resolve().parent)
     loo = f"{r.mape_loo:.1f}%" if r.mape_loo is not None else "n/a"
     src_text = (f"axoplan refit {today}: least squares on log time of {r.n_runs} ok runs in {results} "
                 f"against profile '{profile.name}' ({src}); fitted {', '.join(r.params) or 'nothing'} "

@@ -2,11 +2,14 @@
 
 Every number gets a source naming the run (date, host, device, torch and backend versions, the
 command) and what it was derived from. The GEMM table is written beside the profile, then the
-profile, each atomically, so a failed write leaves the previous profile whole."""
+profile, each atomically, so a failed write leaves the previous profile whole. The collective
+times themselves are written beside it too: on measured group shapes the planner interpolates them
+rather than the alpha-beta fit (on a CPU node the latency is not one number per ring step)."""
 from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,20 @@ class Built:
     table_rows: list[dict]  # the GEMM table written beside the profile
     fits: list[dict]  # one row per (collective, group shape), for fits.csv
     summary: dict  # headline numbers for people
+    coll_rows: list[dict] = None  # the intra-node collective times written beside the profile
+    attn_rows: list[dict] = None  # the attention times written beside the profile
+
+    def files(self) -> dict[str, str]:
+        """File name -> text of everything written beside (and as) the profile; the profile last."""
+        out = {self.profile["compute"]["gemm"]["table"]["path"]: table_csv(self.table_rows)}
+        ctab = self.profile["network"]["intra_node"].get("table")
+        if ctab:
+            out[ctab["path"]] = collectives_csv(self.coll_rows)
+        atab = self.profile["compute"]["attention"].get("table")
+        if atab:
+            out[atab["path"]] = attention_csv(self.attn_rows)
+        out[f"{self.profile['name']}.yaml"] = profile_yaml(self.profile)
+        return out
 
 
 def run_tag(meta: dict) -> str:
@@ -127,7 +144,7 @@ def memory_part(rows: list[dict], meta: dict, tag: str):
                      "elementwise_by_op": effs}
 
 
-def attention_part(rows: list[dict], tag: str):
+def attention_part(rows: list[dict], tag: str, table_name: str | None = None):
     if not rows:
         raise CalibrationError("the attention table is empty")
     t = {}
@@ -160,12 +177,21 @@ def attention_part(rows: list[dict], tag: str):
         "source": f"{tag}; causal_skip: causal/non-causal forward time median {ratio:.2f} (true only below 0.75); "
                   f"backward_factor: measured backward time / forward time (causal), median",
     }
+    if table_name:
+        att["table"] = {"path": table_name, "source": (
+            f"{tag}; causal forward and forward+backward seconds of scaled_dot_product_attention on {len(shapes)} "
+            f"local shapes (batch, heads, seq, head_dim) of the calibrated models, all ranks at once; the planner "
+            f"takes these where its local shape was measured, the rate above elsewhere")}
     return att, {"attention_tflops": tflops, "causal_ratio": ratio, "backward_factor": factor}
 
 
-def network_part(rows: list[dict], meta: dict, tag: str):
-    if not rows:
+def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: str | None = None):
+    if not all_rows:
         raise CalibrationError("the collectives table is empty")
+    # the alpha-beta fit describes calls back to back (burst 0), as nccl-tests times them
+    rows = [r for r in all_rows if not r.get("burst_s")]
+    if not rows:
+        raise CalibrationError("the collectives table has no back-to-back timings")
     by = defaultdict(list)
     for r in rows:
         by[(r["collective"], r["size"], r["stride"], r["crosses_nodes"])].append(r)
@@ -244,12 +270,24 @@ def network_part(rows: list[dict], meta: dict, tag: str):
                        "source": f"{tag}; all-reduce fit t = 2(p-1)*alpha + 2(p-1)/p*bytes/busbw over {span}, all "
                                  f"{meta['world'] // p} groups at once, fit rms error {f.rms_rel_err:.0%} "
                                  f"(max {f.max_rel_err:.0%})"})
+    intra_node = {
+        "latency_us": {"value": _r(latency * 1e6, 3), "source": f"{tag}; per ring step, geometric mean of the "
+                       f"all-reduce alpha over {len(intra)} intra-node group shapes"},
+        "groups": groups,
+    }
+    coll_rows = [{"collective": r["collective"], "size": r["size"], "stride": r["stride"], "bytes": r["bytes"],
+                  "seconds": r["seconds"], "burst_s": r.get("burst_s") or 0.0} for r in all_rows if not r["crosses_nodes"]]
+    bursts = sorted({r["burst_s"] for r in coll_rows})
+    if coll_table_name and coll_rows:
+        intra_node["table"] = {"path": coll_table_name, "source": (
+            f"{tag}; {len(coll_rows)} rows: slowest rank's median seconds per call of each collective over "
+            f"{span} on every intra-node group shape, all groups of a shape at once"
+            + (f"; ranks share cores, so calls were also timed after compute bursts on every rank ("
+               + ", ".join(f"{b * 1e3:.2g}" for b in bursts) + " ms, column burst_s), less the burst's own time "
+               "(what a call costs between compute, as in training)" if len(bursts) > 1 else "")
+            + "; the planner interpolates these (log-log) on measured shapes, the fit above serves the rest")}
     net = {
-        "intra_node": {
-            "latency_us": {"value": _r(latency * 1e6, 3), "source": f"{tag}; per ring step, geometric mean of the "
-                           f"all-reduce alpha over {len(intra)} intra-node group shapes"},
-            "groups": groups,
-        },
+        "intra_node": intra_node,
         "inter_node": {
             "busbw_gbs": {"value": _r(inter_bw / 1e9), "source": inter_src},
             "latency_us": {"value": _r(inter_lat * 1e6, 3), "source": inter_lat_src},
@@ -262,7 +300,7 @@ def network_part(rows: list[dict], meta: dict, tag: str):
     summary = {"latency_us": latency * 1e6, "busbw_gbs": {f"{p}x{s}": ar[(p, s)].beta_bps / 1e9 for p, s in intra},
                "network_model_rms_rel_err": model_rms, "network_model_max_rel_err": model_max,
                "inter_node_measured": bool(inter), "scales": scales}
-    return net, fit_rows, summary
+    return net, fit_rows, summary, coll_rows
 
 
 def _human(n: int) -> str:
@@ -270,6 +308,65 @@ def _human(n: int) -> str:
         if n >= size:
             return f"{n / size:g} {unit}"
     return f"{n} B"
+
+
+def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: str, bare: dict):
+    """Per kernel the trainer dispatches, and per element-wise byte: each measured step less what the
+    planner models for its GEMMs and attention, split by non-negative least squares into
+    kernels x overhead + element-wise time x s. The kernel and element-wise terms are the planner's own,
+    found by evaluating it with a launch cost of 0 and 1 us and with element-wise bandwidth 1x and
+    1e6x, so the counts never drift from the cost model. s rescales the element-wise efficiency."""
+    import dataclasses
+
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from axoplan.costmodel.batch import evaluate
+    from axoplan.machine import load_profile
+    from axoplan.space import Candidates
+    from axoplan.specs import Job
+
+    from .framework import tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        for fname, text in files.items():
+            (Path(d) / fname).write_text(text)
+        prof = load_profile(str(Path(d) / f"{profile['name']}.yaml"))
+    one = np.ones(1, dtype=np.int64)
+    A, y, details = [], [], []
+    for r in rows:
+        model = tiny_model(r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq"])
+        job = Job(1, r["grad_acc"] * r["micro_batch"], r["seq"])
+        c = Candidates(one, one, one, one, 0 * one, one * r["micro_batch"], np.zeros(1, dtype=bool))
+
+        def t(oh, ew):
+            p = prof.replace(kernel_overhead=oh, elementwise_efficiency=prof.elementwise_efficiency * ew)
+            return float(evaluate(model, p, job, c).batch_time[0])
+
+        base = t(0.0, 1e6)
+        kernels = (t(1e-6, 1e6) - base) / 1e-6
+        ew = t(0.0, 1.0) - base
+        A.append([kernels, ew])
+        y.append(r["seconds"] - base)
+        details.append(f"{r['layers']} layer(s), hidden {r['hidden']}, {r['grad_acc']} x {r['micro_batch']} x "
+                       f"{r['seq']} tokens: {r['seconds'] * 1e3:.2f} ms")
+    A, y = np.array(A), np.array(y)
+    (oh, s), _ = nnls(A / y[:, None], np.ones(len(y)))  # relative errors: every model counts alike
+    if oh <= 0:
+        raise CalibrationError("the trainer's tiny steps took no longer than their modelled arithmetic; "
+                               "the framework overhead cannot be derived")
+    pred = A @ np.array([oh, s])
+    err = float(np.sqrt(np.mean((pred / y - 1) ** 2)))
+    eff = prof.elementwise_efficiency * (1.0 / s if s > 0 else 1e3)
+    how = (f"{tag}; the bundled trainer's whole optimizer steps on {len(rows)} small GPT models (grid of one, all "
+           f"ranks at once: {'; '.join(details)}) less the modelled GEMM and attention time, fitted as kernels x "
+           f"overhead + element-wise bytes / (bandwidth x efficiency) with the planner's counts (rms error "
+           f"{err:.0%})")
+    oh_entry = {"value": _r(oh * 1e6, 3), "source": f"{how}. The dispatch of a bare op on 8 elements "
+                f"({bare['ops']}) is {bare['us']:.3g} us: the rest is autograd and Python"}
+    return oh_entry, _r(eff, 3), how, {"kernel_overhead_us": oh * 1e6, "bare_op_us": bare["us"],
+                                        "framework_rms_rel_err": err, "elementwise_efficiency": eff,
+                                        "elementwise_efficiency_ops": prof.elementwise_efficiency}
 
 
 def build(results: ResultsDir, name: str, table_name: str) -> Built:
@@ -282,8 +379,9 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
     tag = run_tag(meta)
     gemm, peak, table, s1 = gemm_part(results.rows("gemm"), tag, table_name, peak_from_ceiling=not meta.get("cuda"))
     mem, overhead, s2 = memory_part(results.rows("memory"), meta, tag)
-    att, s3 = attention_part(results.rows("attention"), tag)
-    net, fit_rows, s4 = network_part(results.rows("collectives"), meta, tag)
+    attn_rows = results.rows("attention")
+    att, s3 = attention_part(attn_rows, tag, f"{name}_attention.csv")
+    net, fit_rows, s4, coll_rows = network_part(results.rows("collectives"), meta, tag, f"{name}_collectives.csv")
     nodes = meta.get("nodes", 1)
     profile = {
         "schema": SCHEMA,
@@ -313,12 +411,51 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
         },
     }
     summary = {**s1, **s2, **s3, **s4, "elapsed_s": meta.get("elapsed_s"), "peak_tflops": peak["value"]}
-    return Built(profile, table, fit_rows, summary)
+    built = Built(profile, table, fit_rows, summary, coll_rows, attn_rows)
+    # a call timed at the floor means its burst reference was an outlier (a burst slowed by something
+    # else): that row says nothing about overlap
+    ov_rows = [r for r in results.rows("overlap") if r["collective_s"] > 1e-6]
+    if ov_rows:
+        eff = statistics.median(r["efficiency"] for r in ov_rows)
+        kinds = sorted({r["collective"] for r in ov_rows})
+        net["overlap_efficiency"] = {"value": _r(eff, 3), "source": (
+            f"{tag}; median over {len(ov_rows)} measurements ({', '.join(kinds)}, every group shape, "
+            f"{', '.join(_human(b) for b in sorted({r['bytes'] for r in ov_rows}))}) of (burst + collective - "
+            f"together) / min(burst, collective): a collective started asynchronously, a compute burst of "
+            f"{statistics.median(r['burst_s'] for r in ov_rows) * 1e3:.2g} ms run beside it, all ranks at once "
+            f"(ranks share cores: the collective's copies and reductions need the same cores)")}
+        summary["overlap_efficiency"] = eff
+    fw_rows = results.rows("framework")
+    if fw_rows:
+        bare = {"us": overhead["value"], "ops": overhead["source"].split("(")[-1].split(")")[0]}
+        oh, eff, how, s5 = framework_part(fw_rows, profile, built.files(), tag, bare)
+        profile["compute"]["kernel_overhead_us"] = oh
+        mem = profile["memory"]
+        mem["source"] += (f"; elementwise_efficiency {eff:g} replaces the isolated ops' {mem['elementwise_efficiency']:g}: "
+                          f"fitted to the trainer's own element-wise work (see compute.kernel_overhead_us)")
+        mem["elementwise_efficiency"] = eff
+        summary.update(s5)
+    return built
 
 
 def table_csv(rows: list[dict]) -> str:
     lines = ["m,n,k,layout,seconds,tflops"]
     lines += [f"{r['m']},{r['n']},{r['k']},{r['layout']},{r['seconds']:.6g},{r['tflops']:.6g}" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def collectives_csv(rows: list[dict]) -> str:
+    lines = ["collective,size,stride,bytes,seconds,burst_s"]
+    lines += [f"{r['collective']},{r['size']},{r['stride']},{r['bytes']},{r['seconds']:.6g},{r['burst_s']:.6g}"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def attention_csv(rows: list[dict]) -> str:
+    cols = ["batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"]
+    lines = [",".join(cols)]
+    lines += [",".join(str(r[c]).lower() if isinstance(r[c], bool) else f"{r[c]:.6g}" if isinstance(r[c], float)
+                       else str(r[c]) for c in cols) for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -342,9 +479,8 @@ def write(results: ResultsDir, out: str | Path) -> Built:
     and the fit details to the results folder."""
     out = Path(out)
     name = out.stem
-    table_name = f"{name}_gemm.csv"
-    built = build(results, name, table_name)
+    built = build(results, name, f"{name}_gemm.csv")
     atomic_write_text(results.path / "fits.csv", fits_csv(built.fits))
-    atomic_write_text(out.parent / table_name, table_csv(built.table_rows))
-    atomic_write_text(out, profile_yaml(built.profile))
+    for fname, text in built.files().items():
+        atomic_write_text(out if fname == f"{name}.yaml" else out.parent / fname, text)
     return built

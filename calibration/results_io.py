@@ -11,9 +11,11 @@ from axoplan.atomic import append_line, atomic_write_text
 COLUMNS = {
     "gemm": ["m", "n", "k", "layout", "seconds", "tflops", "seconds_min_rank", "seconds_max_rank"],
     "collectives": ["collective", "size", "stride", "crosses_nodes", "bytes", "seconds", "seconds_min_rank",
-                    "busbw_gbs"],
+                    "busbw_gbs", "burst_s"],
     "memory": ["kind", "op", "elements", "bytes", "seconds"],
     "attention": ["batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"],
+    "overlap": ["collective", "size", "stride", "bytes", "burst_s", "collective_s", "together_s", "efficiency"],
+    "framework": ["layers", "hidden", "heads", "vocab", "seq", "micro_batch", "grad_acc", "seconds"],
 }
 
 

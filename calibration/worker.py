@@ -50,7 +50,8 @@ def make_plan(world: int, ranks_per_node: int, cuda: bool, quick: bool, models: 
     kib, mib = 1024, 1024 * 1024
     top = coll_max or ((512 * mib if not quick else 256 * mib) if cuda else (64 * mib if not quick else 4 * mib))
     step = 2 if not quick else 4
-    sizes, b = [], kib
+    # below 1 KiB: the scalars the trainer all-reduces every step (token count, loss, gradient norm)
+    sizes, b = ([8, 64, 512] if not quick else [8, 256]), kib
     while b <= top:
         sizes.append(b)
         b *= step
@@ -125,7 +126,7 @@ def parse_args(argv=None):
     ap.add_argument("--bw-elements", type=int, default=0, help="elements per buffer of the bandwidth test")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--command", default="")
-    ap.add_argument("--only", default="gemm,collectives,memory,attention")
+    ap.add_argument("--only", default="gemm,collectives,memory,attention,framework,overlap")
     return ap.parse_args(argv)
 
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
 
     from axoplan.specs import load_model
 
-    from . import collectives, gemm, memory
+    from . import collectives, framework, gemm, memory
     from .results_io import ResultsDir
 
     t_start = time.time()
@@ -199,9 +200,12 @@ def main(argv=None) -> int:
 
     busy = barrier if not cuda else None  # GPUs do not share their compute; CPU ranks share cores
     total = ((3 * len(plan.gemm_shapes) if "gemm" in only else 0)
-             + (3 * len(plan.coll_shapes) * len(plan.coll_bytes) if "collectives" in only else 0)
+             + (3 * len(plan.coll_shapes) * len(plan.coll_bytes) * (len(collectives.BURST_CALLS) if oversubscribed else 1)
+                if "collectives" in only else 0)
              + ((2 * len(plan.bw_elements) + 4 * len(plan.act_shapes) + 4) if "memory" in only else 0)
-             + (4 * len(plan.attn_shapes) if "attention" in only else 0))
+             + (4 * len(plan.attn_shapes) if "attention" in only else 0)
+             + (len(framework.CONFIGS) if "framework" in only else 0)
+             + (len(plan.coll_shapes) * 2 * len(collectives.OVERLAP_BYTES) if "overlap" in only and oversubscribed else 0))
 
     # per-rank memory the runtime itself takes (interpreter, torch, process group; CUDA context and
     # communicator buffers on GPUs): the profile's headroom
@@ -242,6 +246,8 @@ def main(argv=None) -> int:
         "loadavg_start": _loadavg(),
         "oversubscribed": oversubscribed,
         "min_batch_s": {"gemm_memory_attention": batch_s, "collectives": coll_batch_s},
+        # ranks sharing cores: each collective is timed after a compute burst, less the burst
+        "collectives_interleaved": oversubscribed,
     }
     if rank == 0:
         results.start(meta)
@@ -267,7 +273,8 @@ def main(argv=None) -> int:
             results.append("collectives", {"collective": r.collective, "size": r.size, "stride": r.stride,
                                            "crosses_nodes": r.crosses_nodes, "bytes": r.nbytes,
                                            "seconds": r.seconds, "seconds_min_rank": r.seconds_min_rank,
-                                           "busbw_gbs": busbw(r.collective, r.size, r.nbytes, r.seconds) / 1e9})
+                                           "busbw_gbs": busbw(r.collective, r.size, r.nbytes, r.seconds) / 1e9,
+                                           "burst_s": r.burst_s})
         tick(f"{r.collective} p={r.size} s={r.stride}")
 
     def on_mem(r):
@@ -281,6 +288,20 @@ def main(argv=None) -> int:
             results.append("attention", {"batch": r.batch, "heads": r.heads, "seq": r.seq, "head_dim": r.head_dim,
                                          "causal": r.causal, "pass": r.pass_, "seconds": r.seconds})
         tick("attention")
+
+    def on_framework(r):
+        if rank == 0:
+            results.append("framework", {"layers": r.layers, "hidden": r.hidden, "heads": r.heads, "vocab": r.vocab,
+                                         "seq": r.seq, "micro_batch": r.micro_batch, "grad_acc": r.grad_acc,
+                                         "seconds": r.seconds})
+        tick("framework")
+
+    def on_overlap(r):
+        if rank == 0:
+            results.append("overlap", {"collective": r.collective, "size": r.size, "stride": r.stride,
+                                       "bytes": r.nbytes, "burst_s": r.burst_s, "collective_s": r.collective_s,
+                                       "together_s": r.together_s, "efficiency": r.efficiency})
+        tick("overlap")
 
     phase_s = {}
     t_phase = time.time()
@@ -298,10 +319,17 @@ def main(argv=None) -> int:
         memory.run_attention(plan.attn_shapes, dtype, device, mean_over_ranks, on_attn, plan.repeats,
                              min_batch_s=batch_s, barrier=busy)
         phase_done("attention")
+    if "framework" in only:
+        framework.run(device, dtype, mean_over_ranks, on_framework, plan.repeats, min_batch_s=batch_s, barrier=busy)
+        phase_done("framework")
     if "collectives" in only:
         collectives.run(dist, world, local_world, plan.coll_bytes, dtype, device, world_max, gather, on_coll,
-                        repeats=plan.repeats, min_batch_s=coll_batch_s, barrier=busy)
+                        repeats=plan.repeats, min_batch_s=coll_batch_s, barrier=busy, interleave=oversubscribed)
         phase_done("collectives")
+    if "overlap" in only and oversubscribed:  # GPUs overlap on other engines: not measured there
+        collectives.run_overlap(dist, world, dtype, device, world_max, gather, on_overlap, plan.repeats,
+                                min_batch_s=coll_batch_s, barrier=busy)
+        phase_done("overlap")
     if "gemm" in only:
         gemm.run(plan.gemm_shapes, dtype, device, gather_list, on_gemm, repeats=plan.gemm_repeats, min_batch_s=batch_s,
                  barrier=busy)

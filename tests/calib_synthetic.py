@@ -44,7 +44,7 @@ def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0) -> ResultsDir:
                 t = jitter(ring_steps(c, p) * ALPHA + ring_volume(c, p, nbytes) / (bw * SCALE[c]))
                 rd.append("collectives", {"collective": c, "size": p, "stride": s, "crosses_nodes": cross,
                                           "bytes": nbytes, "seconds": t, "seconds_min_rank": t,
-                                          "busbw_gbs": ring_volume(c, p, nbytes) / t / 1e9})
+                                          "busbw_gbs": ring_volume(c, p, nbytes) / t / 1e9, "burst_s": 0.0})
     for m in (8, 64, 512):
         for n in (8, 64, 512):
             for k in (8, 64, 512):

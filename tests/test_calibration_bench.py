@@ -71,7 +71,75 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     assert [(g["size"], g["stride"]) for g in groups] == [(2, 1)] and groups[0]["busbw_gbs"] > 0
     assert prof["compute"]["gemm"]["ceiling_tflops"]["value"] > 0
     assert prof["memory"]["bandwidth_gbs"] > 0 and prof["compute"]["kernel_overhead_us"]["value"] > 0
-    for table, rows in (("gemm", 3 * 2**3), ("collectives", 3 * 3), ("attention", None), ("memory", None)):
+    for table, rows in (("gemm", 3 * 2**3), ("collectives", 3 * 5), ("attention", None), ("memory", None),
+                        ("framework", None)):
         lines = (res / f"{table}.csv").read_text().splitlines()
         assert len(lines) > 1 and (rows is None or len(lines) == 1 + rows), table
     assert "wrote" in p.stdout and "busbw" in p.stdout
+    # scalars as the trainer all-reduces them (8 bytes, not rounded up to a chunk per rank), and the
+    # measured tables beside the profile, which the planner loads
+    sizes = [line.split(",")[4] for line in (res / "collectives.csv").read_text().splitlines()[1:]
+             if line.startswith("all_reduce")]
+    assert sizes[0] == "8"
+    for tab in (prof["network"]["intra_node"]["table"], prof["compute"]["attention"]["table"]):
+        assert (out.parent / tab["path"]).exists()
+    assert "autograd" in prof["compute"]["kernel_overhead_us"]["source"]
+
+
+def test_interleaved_collective_is_timed_less_its_compute_burst(monkeypatch):
+    """A fake clock: the burst takes 3 ms and the collective 1 ms. Back to back the call costs 1 ms; after
+    each burst, less the burst's own time, it costs 1 ms too, never the 4 ms of burst plus call."""
+    from calibration import collectives
+
+    clock = [0.0]
+    monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
+
+    class FakeDist:
+        @staticmethod
+        def all_reduce(buf, group=None):
+            clock[0] += 1e-3
+
+    def burst():
+        clock[0] += 3e-3
+
+    args = (FakeDist, "all_reduce", None, 2, 64, torch.float32, torch.device("cpu"), lambda x: x, lambda x: [x], 3, 0.01)
+    nbytes, alone, _ = collectives.measure(*args)
+    _, interleaved, _ = collectives.measure(*args, burst=burst, burst_s=3e-3)
+    assert nbytes == 64 and alone == pytest.approx(1e-3) and interleaved == pytest.approx(1e-3)
+    _, scalar, _ = collectives.measure(FakeDist, "all_reduce", None, 4, 4, torch.float32, torch.device("cpu"),
+                                       lambda x: x, lambda x: [x], 3, 0.01)
+    assert scalar == pytest.approx(1e-3)
+    assert collectives.measure(FakeDist, "all_reduce", None, 4, 4, torch.float32, torch.device("cpu"),
+                               lambda x: x, lambda x: [x], 3, 0.01)[0] == 4  # one element, not one per rank
+
+
+def test_overlap_measured_as_the_whole_of_call_and_burst_beside_it(monkeypatch):
+    """Fake clock: a 1 ms collective started asynchronously completes while a 3 ms burst runs beside
+    it, so call + burst together take 3 ms (full overlap); run serially they take 4 ms."""
+    from calibration import collectives
+
+    clock = [0.0]
+    monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
+
+    class Work:
+        def __init__(self):
+            self.done_at = clock[0] + 1e-3
+
+        def wait(self):
+            clock[0] = max(clock[0], self.done_at)
+
+    class FakeDist:
+        @staticmethod
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            w = Work()
+            if not async_op:
+                w.wait()
+            return w
+
+    def burst():
+        clock[0] += 3e-3
+
+    args = (FakeDist, "all_gather", None, 2, 1024, torch.float32, torch.device("cpu"), lambda x: x, lambda x: [x], 3, 0.01)
+    _, together, _ = collectives.measure(*args, beside=burst)
+    _, serial, _ = collectives.measure(*args, burst=burst, burst_s=0.0)
+    assert together == pytest.approx(3e-3) and serial == pytest.approx(4e-3)

@@ -102,3 +102,51 @@ def test_incomplete_run_is_refused(tmp_path):
     rd.write_meta(m)
     with pytest.raises(profile_writer.CalibrationError, match="did not finish"):
         profile_writer.build(rd, "x", "x.csv")
+
+
+def test_framework_overhead_and_elementwise_efficiency_recovered(tmp_path):
+    """Trainer steps made by the planner itself with a known per-kernel cost and element-wise efficiency:
+    the writer's fit must give both back."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from axoplan.costmodel.batch import evaluate
+    from axoplan.machine import load_profile
+    from axoplan.space import Candidates
+    from axoplan.specs import Job
+    from calibration import framework
+
+    rd = write(tmp_path / "r")
+    first = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in first.files().items():
+            (Path(d) / name).write_text(text)
+        prof = load_profile(str(Path(d) / "synthetic.yaml"))
+    true = prof.replace(kernel_overhead=20e-6, elementwise_efficiency=0.125)
+    one = np.ones(1, dtype=np.int64)
+    for layers, acc, mb, hidden, heads, vocab, seq in framework.CONFIGS:
+        model = framework.tiny_model(layers, hidden, heads, vocab, seq)
+        c = Candidates(one, one, one, one, 0 * one, one * mb, np.zeros(1, dtype=bool))
+        sec = float(evaluate(model, true, Job(1, acc * mb, seq), c).batch_time[0])
+        rd.append("framework", {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq,
+                                "micro_batch": mb, "grad_acc": acc, "seconds": sec})
+    built = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    assert built.profile["compute"]["kernel_overhead_us"]["value"] == pytest.approx(20.0, rel=0.01)
+    assert built.profile["memory"]["elementwise_efficiency"] == pytest.approx(0.125, rel=0.01)
+    assert "autograd" in built.profile["compute"]["kernel_overhead_us"]["source"]
+    assert built.summary["bare_op_us"] == pytest.approx(OVERHEAD * 1e6)
+
+
+def test_overlap_efficiency_is_the_median_of_the_measurements(tmp_path):
+    rd = write(tmp_path / "r")
+    for i, eff in enumerate((0.1, 0.3, 0.9)):
+        rd.append("overlap", {"collective": "all_gather", "size": 2, "stride": 1, "bytes": 65536 * (i + 1),
+                              "burst_s": 4e-3, "collective_s": 1e-3, "together_s": 5e-3 - eff * 1e-3,
+                              "efficiency": eff})
+    built = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    ov = built.profile["network"]["overlap_efficiency"]
+    assert ov["value"] == pytest.approx(0.3) and "asynchronously" in ov["source"]
+    # without overlap rows (GPUs, or a core per rank) the field is absent: the planner's default 1 holds
+    assert "overlap_efficiency" not in profile_writer.build(write(tmp_path / "r2"), "s", "s.csv").profile["network"]

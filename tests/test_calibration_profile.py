@@ -34,6 +34,10 @@ def test_written_profile_round_trips(tmp_path):
     assert _numbers_without_source(loaded) == []
     table = (out.parent / loaded["compute"]["gemm"]["table"]["path"]).read_text().splitlines()
     assert table[0] == "m,n,k,layout,seconds,tflops" and len(table) == 1 + 27 * 3
+    coll = (out.parent / loaded["network"]["intra_node"]["table"]["path"]).read_text().splitlines()
+    assert coll[0] == "collective,size,stride,bytes,seconds,burst_s" and len(coll) == 1 + 3 * 3 * 9  # intra shapes only
+    attn = (out.parent / loaded["compute"]["attention"]["table"]["path"]).read_text().splitlines()
+    assert attn[0] == "batch,heads,seq,head_dim,causal,pass,seconds" and len(attn) == 1 + 8
     assert (rd.path / "fits.csv").exists()
     for src in (loaded["compute"]["peak_tflops"]["source"], loaded["memory"]["source"]):
         assert "2026-01-01" in src and "testhost" in src and "axoplan calibrate --test" in src
@@ -59,9 +63,10 @@ def test_failed_write_leaves_the_old_profile_intact(tmp_path, monkeypatch):
     calls = []
 
     def boom(fd):
-        # fits.csv and the GEMM table are written first; the profile itself fails mid-write
+        # fits.csv and the measured tables (GEMM, collectives, attention) are written first; the profile
+        # itself fails mid-write
         calls.append(fd)
-        if len(calls) == 3:
+        if len(calls) == 5:
             raise OSError("disk full")
         return real_fsync(fd)
 
@@ -72,5 +77,5 @@ def test_failed_write_leaves_the_old_profile_intact(tmp_path, monkeypatch):
         profile_writer.write(rd2, out)
     monkeypatch.undo()
     assert out.read_bytes() == before
-    assert len(calls) == 3
+    assert len(calls) == 5
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []

@@ -150,7 +150,10 @@ def test_data_parallel_collectives(prof, groups):
     # the gradient norm over all 48 GPUs: slowest axis 20 GB/s, latency 20 us, 2*min(47, 6) steps
     c = got[("gradient norm", "all")]
     assert c.seconds[0] == pytest.approx(2 * 47 / 48 * 8 / (20 * GB) + 2 * 6 * 20 * US)
-    assert len(dp) == 5
+    # the barrier closing each timed step: a 4-byte all-reduce over all 48
+    c = got[("step barrier", "all")]
+    assert c.seconds[0] == pytest.approx(2 * 47 / 48 * 4 / (20 * GB) + 2 * 6 * 20 * US)
+    assert len(dp) == 6
 
 
 def test_shard_elems_pads_to_a_multiple_of_gz():

@@ -70,9 +70,30 @@ def test_auto_params_fit_what_the_runs_determine_and_generalise(setup):
     assert chosen and set(chosen) <= set(PARAMS)
     assert {"gemm_scale", "inter_bw_scale", "latency_scale"} <= set(chosen)  # the corrections that are off
     r = refit(str(res), str(prof), str(tmp / "auto.yaml"))
-    assert r.params == chosen
+    # forward selection by BIC keeps, from the corrections the runs determine, enough to explain them
+    assert set(r.params) <= set(chosen) and {"inter_bw_scale", "latency_scale"} <= set(r.params)
     # 3% noise: after refit and leave-one-out the error is near the noise, far below before
     assert r.mape_after < 6 and r.mape_loo < 8 and r.mape_before > 4 * r.mape_loo
+
+
+def test_auto_fits_nothing_when_the_profile_is_already_right(setup):
+    """Measurements that are exactly the planner's own predictions: no correction lowers the
+    criterion, so nothing is fitted and the leave-one-out error is the error before (zero)."""
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, {}, [(8, 32), (4, 16)], every=3)
+    r = refit(str(res), str(prof), str(tmp / "same.yaml"))
+    assert r.params == [] and r.mape_loo == r.mape_before == r.mape_after == pytest.approx(0, abs=1e-9)
+
+
+def test_auto_on_unbiased_noise_does_not_generalise_worse(setup):
+    """The planner's predictions times 5% noise: whatever BIC keeps, predicting a run it did not see
+    is no worse than not refitting at all (by more than a tenth)."""
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, {}, [(8, 32), (8, 64), (4, 16)], noise=0.05, every=3)
+    r = refit(str(res), str(prof), str(tmp / "same.yaml"))
+    assert r.mape_loo <= 1.1 * r.mape_before
 
 
 def test_one_node_runs_cannot_fit_inter_node_bandwidth(tmp_path, write_profile, model_yaml):

@@ -13,6 +13,7 @@ all-reduce block, as does the once-per-step data-parallel gradient all-reduce.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,17 +55,23 @@ def _zero(n):
     return 0.0  # a scalar broadcasts for free
 
 
-def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None):
+def overlapped(a, b, eta: float = 1.0):
+    """Two activities run side by side: max(a, b) when they share nothing (eta 1), their sum when
+    the one cannot progress while the other runs (eta 0, e.g. CPU ranks with no core to spare for a
+    background collective)."""
+    return a + b - eta * np.minimum(a, b)
+
+
+def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
+                eta: float = 1.0):
     """Total time of prefix + block * n_blocks + suffix, with identical blocks evaluated once."""
-    seq_int = prefix + block
-    n = len(prefix) + len(block)
 
     def window_time(w: Window, nxt: Window | None):
         if oag:
             z = (nxt.ag if nxt is not None else 0.0) + (w.rs if ors else 0.0)
-            return np.maximum(w.compute + w.blocking + (0.0 if ors else w.rs), z)
+            return overlapped(w.compute + w.blocking + (0.0 if ors else w.rs), z, eta)
         if ors:
-            return w.ag + np.maximum(w.compute + w.blocking, w.rs)
+            return w.ag + overlapped(w.compute + w.blocking, w.rs, eta)
         return w.ag + w.compute + w.blocking + w.rs
 
     total = prefix[0].ag if oag else 0.0
@@ -130,23 +137,32 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
     T = (mb * S).astype(np.float64)
     ko = profile.launch_cost
-    g = C.place(profile, c)
 
     # ---- per layer: GEMMs and collectives --------------------------------------------
     lins = model.block_linears()
     gem = [K.linear_gemms(profile, l, gx, gy, T, tuning) for l in lins]
-    col = [C.linear_collectives(profile, g, l, T, e) for l in lins]
     lm = model.lm_head()
     gem_lm = K.linear_gemms(profile, lm, gx, gy, T, tuning)
-    col_lm = C.linear_collectives(profile, g, lm, T, e)
-    col_emb = C.embedding_collectives(profile, g, model, T, e)
-    norm_f, norm_b = C.norm_collectives(profile, g, model, T, "norm")
-    loss_c = C.loss_collective(profile, g, T)
     attn_f, attn_b = K.attention_seconds(profile, model, gy, mb, S)
     ew_f = K.elementwise_seconds(profile, K.elementwise_bytes_fwd(model, gx, gy, T, e))
     ew_loss = K.elementwise_seconds(profile, K.loss_elementwise_bytes(model, gy, T))
     ew_emb = K.elementwise_seconds(profile, 2 * T * (model.hidden / gx) * e)
     kf, kb = K.KERNELS_FWD_PER_BLOCK * ko, K.KERNELS_BWD_PER_BLOCK * ko
+    k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
+    eta = profile.overlap_efficiency
+    g = C.place(profile, c)
+    if profile.coll_table is not None:
+        # measured collectives depend on the compute before each call (ranks sharing cores): the
+        # micro-batch's compute over its calls
+        comp0 = ((sum(gm.fwd + gm.dgrad + gm.wgrad for gm in gem) + attn_f + attn_b + 3 * ew_f + kf + kb) * model.n_layers
+                 + 2 * ew_emb + gem_lm.fwd + gem_lm.dgrad + gem_lm.wgrad + ew_loss + k_out_f + k_out_b)
+        calls = C.calls_per_micro_batch(model, g)
+        g = dataclasses.replace(g, burst=comp0 / np.maximum(calls, 1.0))
+    col = [C.linear_collectives(profile, g, l, T, e) for l in lins]
+    col_lm = C.linear_collectives(profile, g, lm, T, e)
+    col_emb = C.embedding_collectives(profile, g, model, T, e)
+    norm_f, norm_b = C.norm_collectives(profile, g, model, T, "norm")
+    loss_c = C.loss_collective(profile, g, T)
     extrapolated = np.zeros(n, dtype=bool)
     for gm in gem + [gem_lm]:
         extrapolated |= gm.extrapolated
@@ -157,7 +173,6 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     norm_block_f = [norm_f.seconds, 0.0, norm_f.seconds, 0.0]
     fwd_block = [Window(l.name, gem[i].fwd + extra_f[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
                         col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
-    k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
     emb_f = Window("embedding", ew_emb + k_out_f / 4, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
     lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * k_out_f / 4, col_lm["ar_fwd"].seconds + norm_f.seconds
                   + loss_c.seconds, col_lm["ag"].seconds, _zero(n))
@@ -169,13 +184,13 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     def bwd_window(i, with_ag):
         gm, cl = gem[i], col[i]
         ar = cl["ar_bwd"].seconds
-        exposed_ar = np.maximum(ar - gm.wgrad, 0.0) if overlap else ar
+        exposed_ar = overlapped(gm.wgrad, ar, eta) - gm.wgrad if overlap else ar
         return Window(lins[i].name, gm.dgrad + gm.wgrad + extra_b[i], exposed_ar + norm_block_f[i],
                       cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
 
     ar_lm = col_lm["ar_bwd"].seconds
     lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 3 * k_out_b / 4,
-                  (np.maximum(ar_lm - gem_lm.wgrad, 0.0) if overlap else ar_lm) + norm_b.seconds,
+                  (overlapped(gem_lm.wgrad, ar_lm, eta) - gem_lm.wgrad if overlap else ar_lm) + norm_b.seconds,
                   col_lm["ag"].seconds, col_lm["rs"].seconds)
     emb_b = Window("embedding", ew_emb + k_out_b / 4, _zero(n), _zero(n), col_emb["rs"].seconds)
 
@@ -183,12 +198,12 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     rec_b = [] if explain else None
     rec_bc = [] if explain else None
     L = model.n_layers
-    t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f)
+    t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f, eta)
     bwd_plain = [bwd_window(i, True) for i in reversed(range(4))]
-    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b)
+    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b, eta)
     recompute = [Window(w.name + " (recompute)", w.compute, w.blocking, w.ag, w.rs) for w in fwd_block]
     bwd_ck = recompute + [bwd_window(i, False) for i in reversed(range(4))]
-    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc)
+    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc, eta)
     t_bwd = np.where(ck, t_bwd_ck, t_bwd_plain)
 
     # ---- compute and communication totals per micro-batch ------------------------------------
@@ -209,10 +224,16 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
     shard = sum(C.shard_elems(b, gz) for b in block_elems) * L + C.shard_elems(lm_elems, gz) + C.shard_elems(emb_elems, gz)
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
-    step_colls = C.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated)
-    t_dp = sum(s.seconds for s in step_colls)
     n_tensors = 6 * L + 3 + (model.position == "learned")  # 4 weights and 2 norms per block; embedding, head, norm
     t_opt = K.optimizer_seconds(profile, shard + replicated, n_tensors)
+    g_step = g
+    if profile.coll_table is not None:
+        # the once-per-step calls: the first after the backward's tail (a whole micro-batch when no
+        # collective ran in it), the loss after the optimizer, the rest back to back
+        g_step = (dataclasses.replace(g, burst=np.where(calls > 0, g.burst, comp0)),
+                  dataclasses.replace(g, burst=t_opt), dataclasses.replace(g, burst=0.0))
+    step_colls = C.data_parallel_collectives(profile, g_step, shard.astype(np.float64), replicated)
+    t_dp = sum(s.seconds for s in step_colls)
 
     batch = grad_acc * (t_fwd + t_bwd) + t_dp + t_opt + profile.corrections.step_overhead_s
     compute_total = grad_acc * comp_mb + t_opt

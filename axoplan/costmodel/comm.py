@@ -7,6 +7,7 @@ exact norms over X-sharded channels, and the data-parallel gradient all-reduce (
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ class Groups:
     latency: dict
     per_byte: dict  # (axis, kind) -> s/byte
     fixed: dict  # (axis, kind) -> s
+    shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
+    burst: np.ndarray | float = 0.0  # per candidate: compute seconds between two collective calls
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -52,7 +55,7 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
     return per_byte, fixed
 
 
-def place(profile: MachineProfile, c: Candidates) -> Groups:
+def place(profile: MachineProfile, c: Candidates, burst=0.0) -> Groups:
     """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
     together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
     slowest member axis."""
@@ -74,7 +77,46 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         for kind in KINDS:
             per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a],
                                                                     inside[a])
-    return Groups(size, stride, busbw, lat, per_byte, fixed)
+    shapes = None
+    if profile.coll_table is not None:
+        shapes = {}
+        for a in size:
+            pairs = np.stack(np.broadcast_arrays(size[a], stride[a]), axis=-1).reshape(-1, 2)
+            shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
+    return Groups(size, stride, busbw, lat, per_byte, fixed, shapes, burst)
+
+
+def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
+    """One collective on a measured group shape: log-log interpolation of the calibration's times,
+    the smallest size's time below the table (latency-bound), and beyond it the largest time plus
+    the alpha-beta model's per-byte cost; linear in the compute burst before the call between the
+    bursts measured (clamped at both ends). The corrections split each curve at its smallest size:
+    latency_scale multiplies that part, intra_bw_scale divides the rest."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    x = np.log(np.maximum(nb, 1.0))
+    slope = (2.0 if kind == "all_reduce" else 1.0) * (size - 1) / size / (
+        profile.intra_busbw(int(size), int(stride)) * profile.coll_bw_scale[kind])
+    c = profile.corrections
+    per_burst = []
+    for _, lb, ls in profile.coll_table.curves[kind, int(size), int(stride)]:
+        t = np.exp(np.interp(x, lb, ls))
+        over = nb > np.exp(lb[-1])
+        if np.any(over):
+            t = np.where(over, np.exp(ls[-1]) + (nb - np.exp(lb[-1])) * slope, t)
+        t0 = np.exp(ls[0])
+        per_burst.append(t0 * c.latency_scale + (t - t0) / c.intra_bw_scale)
+    bursts = [b for b, _, _ in profile.coll_table.curves[kind, int(size), int(stride)]]
+    if len(bursts) == 1:
+        return per_burst[0] + c.collective_overhead_s
+    stack = np.stack(np.broadcast_arrays(*per_burst))
+    w = np.clip(np.asarray(burst, dtype=np.float64), bursts[0], bursts[-1])
+    out = np.empty(np.broadcast(stack[0], w).shape)
+    for i in range(len(bursts) - 1):  # piecewise linear in the burst length
+        lo, hi = bursts[i], bursts[i + 1]
+        f = (w - lo) / (hi - lo)
+        seg = (w >= lo) & ((w <= hi) if i == len(bursts) - 2 else (w < hi))
+        out = np.where(seg, stack[i] * (1 - f) + stack[i + 1] * f, out)
+    return out + c.collective_overhead_s
 
 
 def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True) -> np.ndarray:
@@ -98,7 +140,32 @@ class Collective:
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
+    if g.shapes is not None:
+        # measured group shapes take the calibration's own curve instead of the alpha-beta fit
+        pairs, inv = g.shapes[axis]
+        t = np.array(np.broadcast_to(t, np.broadcast(t, inv).shape), dtype=np.float64)
+        nb = np.broadcast_to(nbytes, t.shape)
+        bu = np.broadcast_to(g.burst, t.shape)
+        for i, (p, s) in enumerate(pairs):
+            if p > 1 and profile.coll_table.covers(kind, p, s):
+                m = inv == i
+                t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
+
+
+def calls_per_micro_batch(model: ModelSpec, g: Groups) -> np.ndarray:
+    """Collective calls of one micro-batch's forward and backward (no recompute), as the trainer
+    issues them: per linear an all-reduce over each of its two axes and a weight all-gather and
+    gradient reduce-scatter over Z; norm statistics over X (two norms per block and the final one,
+    forward and backward); the embedding's all-gather, all-reduce over Y and reduce-scatter; the
+    loss's two all-reduces over Y."""
+    on = {a: (np.asarray(g.size[a]) > 1).astype(np.float64) for a in "xyz"}
+    n = 0.0
+    for lin in list(model.block_linears()) * model.n_layers + [model.lm_head()]:
+        a_in, a_out = linear_axes(lin)
+        n = n + on[a_in] + on[a_out] + 2 * on["z"]
+    n = n + (2 * model.n_layers + 1) * 2 * on["x"]
+    return n + 2 * on["z"] + 3 * on["y"]
 
 
 def linear_axes(lin: LinearShape) -> tuple[str, str]:
@@ -150,14 +217,29 @@ def loss_collective(profile, g: Groups, tokens) -> Collective:
     return _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 3 * FP32)
 
 
-def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements) -> list[Collective]:
+def data_parallel_collectives(profile, g, shard_elements, replicated_elements) -> list[Collective]:
     """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
     buffer); replicated parameters (norm weights, positions) over Z and D together; the kept-token
-    count and the loss over Z and D; the squared gradient norm over every GPU."""
+    count and the loss over Z and D; the squared gradient norm over every GPU; the barrier that
+    closes each timed step. `g` may be three placements (after the backward, after the optimizer,
+    back to back) that differ only in the compute burst before each call (measured tables)."""
+    after_bwd, after_opt, b2b = g if isinstance(g, tuple) else (g, g, g)
+    # the first of the calls after the backward with a group of more than one follows its compute
+    first, seen = {}, False
+    for name, axis in (("gradients", "d"), ("replicated", "zd"), ("gradient norm", "all")):
+        on = np.asarray(b2b.size[axis]) > 1
+        first[name], seen = on & ~seen, seen | on
+
+    def after(name):
+        return dataclasses.replace(b2b, burst=np.where(first[name], after_bwd.burst, 0.0)) \
+            if b2b.shapes is not None else b2b
+
     return [
-        _coll(profile, g, "gradients", "step", "all_reduce", "d", shard_elements * FP32),
-        _coll(profile, g, "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
-        _coll(profile, g, "token count", "step", "all_reduce", "zd", 8.0),
-        _coll(profile, g, "loss", "step", "all_reduce", "zd", 8.0),
-        _coll(profile, g, "gradient norm", "step", "all_reduce", "all", 8.0),
+        _coll(profile, after("gradients"), "gradients", "step", "all_reduce", "d", shard_elements * FP32),
+        _coll(profile, after("replicated"), "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
+        _coll(profile, b2b, "token count", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, after_opt, "loss", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, after("gradient norm"), "gradient norm", "step", "all_reduce", "all", 8.0),
+        # the trainer ends every timed step with a barrier over all ranks (gloo: a tiny all-reduce)
+        _coll(profile, b2b, "step barrier", "step", "all_reduce", "all", 4.0),
     ]

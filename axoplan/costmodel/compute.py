@@ -46,12 +46,25 @@ def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuni
 
 
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of the local attention over n_heads/gy heads."""
-    flop = 4.0 * micro_batch * seq_len * seq_len * model.head_dim * (model.n_heads // gy)
+    """(forward, backward) seconds of the local attention over n_heads/gy heads: the measured time
+    where the profile's attention table has the local shape, else its FLOP at the profile's rate."""
+    heads = model.n_heads // np.asarray(gy)
+    flop = 4.0 * micro_batch * seq_len * seq_len * model.head_dim * heads
     if profile.attn_causal_skip:
         flop = flop / 2
-    fwd = flop / (profile.attn_flops * profile.corrections.gemm_scale)
-    return fwd, fwd * profile.attn_bwd_factor
+    scale = profile.corrections.gemm_scale
+    fwd = flop / (profile.attn_flops * scale)
+    bwd = fwd * profile.attn_bwd_factor
+    tab = profile.attn_table
+    if tab is not None:
+        mb_b, h_b = np.broadcast_arrays(np.asarray(micro_batch), heads)
+        fwd, bwd = np.array(np.broadcast_to(fwd, mb_b.shape), float), np.array(np.broadcast_to(bwd, mb_b.shape), float)
+        for b, h in set(zip(mb_b.ravel().tolist(), h_b.ravel().tolist())):
+            hit = tab.shapes.get((int(b), int(h), int(seq_len), model.head_dim))
+            if hit:
+                m = (mb_b == b) & (h_b == h)
+                fwd[m], bwd[m] = hit[0] / scale, hit[1] / scale
+    return fwd, bwd
 
 
 def elementwise_bytes_fwd(model: ModelSpec, gx, gy, tokens, dtype_bytes: int) -> np.ndarray:
