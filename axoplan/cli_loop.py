@@ -126,6 +126,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 @click.option("--all", "run_all", is_flag=True, help="Run every feasible grid and order.")
 @click.option("--steps", type=int, default=10, show_default=True, help="Training steps per run.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Steps left out of the median.")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Passes over the candidates (round robin); each candidate's time is the median of its runs.")
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
               help="Seconds before a run is killed and recorded as timeout.")
 @click.option("--micro-batch", type=int, default=None, help="Fix the micro-batch size of every candidate.")
@@ -135,8 +137,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 @click.option("--slurm", is_flag=True, help="Write a Slurm job array of the candidates instead of running them.")
 @click.option("--collect", "collect_dir", default=None, type=click.Path(file_okay=False),
               help="Score a --slurm sweep's runs in this folder.")
-def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, timeout_s, micro_batch,
-             checkpointing, out, resume, slurm, collect_dir):
+def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
+             micro_batch, checkpointing, out, resume, slurm, collect_dir):
     """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
     from . import validate as V
 
@@ -148,7 +150,7 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
     sw = V.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
-                 micro_batch=micro_batch, checkpointing=checkpointing)
+                 micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)
     if slurm:
         path = V.write_slurm_array(sw, out)
         click.echo(f"wrote {path} and one run directory per candidate under {Path(out) / 'runs'}")
@@ -164,7 +166,8 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
 @click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False), help="New profile YAML to write.")
 @click.option("--params", default="auto", show_default=True,
               help="Corrections to fit, comma-separated (gemm_scale, elementwise_scale, intra_bw_scale, "
-                   "inter_bw_scale, latency_scale, step_overhead_s), or auto.")
+                   "inter_bw_scale, latency_scale, kernel_overhead_scale, step_overhead_s, "
+                   "collective_overhead_s, overlap_efficiency), or auto.")
 @click.option("--no-loo", is_flag=True, help="Skip the leave-one-out check.")
 def refit(results, machine, out, params, no_loo):
     """Fit the profile's corrections to measured runs; report error before, after and leave-one-out."""

@@ -41,6 +41,9 @@ class Corrections:
     step_overhead_s: float = 0.0  # fixed time added to every step
     kernel_overhead_scale: float = 1.0  # multiplies the per-kernel launch cost
     collective_overhead_s: float = 0.0  # fixed time added to every collective call (dispatch, rank skew)
+    # replaces network.overlap_efficiency when set: the trainer's own overlap can differ from the
+    # calibration's synthetic burst beside a collective
+    overlap_efficiency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,12 @@ class MachineProfile:
     def launch_cost(self) -> float:
         """Seconds per kernel launch, corrected."""
         return self.kernel_overhead * self.corrections.kernel_overhead_scale
+
+    @property
+    def overlap(self) -> float:
+        """Share of the shorter of compute and a background collective that hides, corrected."""
+        e = self.corrections.overlap_efficiency
+        return self.overlap_efficiency if e is None else e
 
     @property
     def dtype_bytes(self) -> int:
@@ -449,6 +458,31 @@ def _non_decreasing(y: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(n, s_ / n) for s_, n in blocks])
 
 
+def _pool_strides(points: dict) -> dict:
+    """Where ranks share cores (the table was timed after compute bursts) no rank is pinned to a core,
+    so which ranks form a group cannot matter: the groups of one size but different strides measured
+    the same thing, and their differences are noise. Pooled per burst level (the calibration runs the
+    same bursts on every shape; level i of each stride is one measurement of it): geometric mean time
+    per size, mean burst length."""
+    by_size: dict = {}
+    for key, by_burst in points.items():
+        by_size.setdefault((key[0], key[1]), []).append((key, by_burst))
+    out = {}
+    for members in by_size.values():
+        levels: dict = {}
+        for _, by_burst in members:
+            for i, burst in enumerate(sorted(by_burst)):
+                levels.setdefault(i, []).append((burst, by_burst[burst]))
+        pooled = {}
+        for runs in levels.values():
+            sizes = sorted({b for _, pts in runs for b in pts})
+            pooled[float(np.mean([burst for burst, _ in runs]))] = {
+                b: float(np.exp(np.mean([np.log(pts[b]) for _, pts in runs if b in pts]))) for b in sizes}
+        for key, _ in members:
+            out[key] = pooled
+    return out
+
+
 def _load_collective_table(path: Path, rd: _Reader, gpus_per_node: int) -> CollectiveTable:
     where = "network.intra_node.table.path"
     rows = _read_csv(path, rd, where, {"collective", "size", "stride", "bytes", "seconds"})
@@ -466,6 +500,8 @@ def _load_collective_table(path: Path, rd: _Reader, gpus_per_node: int) -> Colle
         if nbytes <= 0 or sec <= 0 or key[1] < 2 or key[1] * key[2] > gpus_per_node or gpus_per_node % (key[1] * key[2]):
             continue
         points.setdefault(key, {}).setdefault(burst, {})[nbytes] = sec
+    if any(burst > 0 for by_burst in points.values() for burst in by_burst):
+        points = _pool_strides(points)
     curves = {}
     for key, by_burst in points.items():
         cs = []
@@ -596,8 +632,13 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         f.name: rd.num(corr, f.name, "corrections", default=f.default,
                        allow_zero=f.name in ("latency_scale", "step_overhead_s", "kernel_overhead_scale",
                                               "collective_overhead_s"))
-        for f in dataclasses.fields(Corrections)
+        for f in dataclasses.fields(Corrections) if f.name != "overlap_efficiency"
     }) if corr else Corrections()
+    if corr.get("overlap_efficiency") is not None:
+        eta = rd.num(corr, "overlap_efficiency", "corrections", allow_zero=True)
+        if eta > 1:
+            rd.fail("corrections.overlap_efficiency", f"must be between 0 and 1, got {eta:g}")
+        corrections = dataclasses.replace(corrections, overlap_efficiency=eta)
 
     table = None
     tab = gemm.get("table")

@@ -2,11 +2,11 @@
 runs, by re-evaluating the planner on the measured configurations with candidate corrections.
 
 The fit is least squares on log(predicted / measured), so every run counts by its relative error,
-over bounded parameters: the multiplicative scales in log space (1/20 .. 20), the fixed per-step
-overhead in seconds (0 .. the fastest measured step). Which corrections are fitted ("auto"): among
-those the measured runs can tell apart (choose_params), the ones forward selection by the Bayesian
-information criterion keeps (select_params); the leave-one-out error, never used to choose, then
-says honestly how well the fit generalises. The result is a NEW
+over bounded parameters: the multiplicative scales in log space (1/20 .. 20), the fixed overheads
+in seconds (0 .. the fastest measured step), the overlap efficiency in 0 .. 1. Which corrections are
+fitted ("auto"): among those the measured runs can tell apart (choose_params), the subset the
+Bayesian information criterion prefers (select_params); the leave-one-out error, never used to
+choose, then says honestly how well the fit generalises. The result is a NEW
 profile whose `corrections` section names the refit; the old profile is never touched.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ from .machine import Corrections, MachineProfile, load_profile
 SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",
                 "kernel_overhead_scale")
 ADD_PARAMS = ("step_overhead_s", "collective_overhead_s")
-PARAMS = SCALE_PARAMS + ADD_PARAMS
+UNIT_PARAMS = ("overlap_efficiency",)  # shares, bounded to [0, 1]
+PARAMS = SCALE_PARAMS + ADD_PARAMS + UNIT_PARAMS
 DOC = {
     "gemm_scale": "multiplies GEMM and attention throughput",
     "elementwise_scale": "multiplies element-wise (memory-bound) bandwidth",
@@ -38,6 +39,7 @@ DOC = {
     "step_overhead_s": "fixed seconds added to every step (Python, optimizer launch, barriers)",
     "kernel_overhead_scale": "multiplies the per-kernel launch cost",
     "collective_overhead_s": "fixed seconds added to every collective call (dispatch, ranks arriving late)",
+    "overlap_efficiency": "share of a background collective that hides behind the trainer's compute",
 }
 LOG_BOUND = np.log(20.0)
 
@@ -111,8 +113,15 @@ def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = No
 
 
 # ---- parameter vector <-> corrections ---------------------------------------------------------------
-def _to_x(corr: Corrections, params) -> np.ndarray:
-    return np.array([np.log(getattr(corr, k)) if k in SCALE_PARAMS else getattr(corr, k) for k in params], float)
+def _value(profile: MachineProfile, corr: Corrections, k: str) -> float:
+    """A correction's effective value: an unset overlap efficiency is the profile's own."""
+    v = getattr(corr, k)
+    return profile.overlap_efficiency if v is None else v
+
+
+def _to_x(profile: MachineProfile, corr: Corrections, params) -> np.ndarray:
+    return np.array([np.log(_value(profile, corr, k)) if k in SCALE_PARAMS else _value(profile, corr, k)
+                     for k in params], float)
 
 
 def _to_corr(x: np.ndarray, params) -> dict:
@@ -125,6 +134,9 @@ def _bounds(params, runs: RunSet):
         if k in SCALE_PARAMS:
             lo.append(-LOG_BOUND)
             hi.append(LOG_BOUND)
+        elif k in UNIT_PARAMS:
+            lo.append(0.0)
+            hi.append(1.0)
         else:
             lo.append(0.0)
             hi.append(float(runs.measured.min()))
@@ -133,25 +145,27 @@ def _bounds(params, runs: RunSet):
 
 def sensitivity(profile: MachineProfile, runs: RunSet, params=PARAMS) -> np.ndarray:
     """d log(predicted) per unit of each parameter at the profile's corrections: per e-fold for the
-    scales, per (10% of the median measured step) for the overhead. [runs, params]."""
+    scales, per (10% of the median measured step) for the overheads, per 0.1 for the shares. [runs, params]."""
     base = np.log(predict(profile, runs))
-    x0 = _to_x(profile.corrections, params)
+    x0 = _to_x(profile, profile.corrections, params)
     J = np.empty((len(runs), len(params)))
     for j, k in enumerate(params):
-        h = 0.05 if k in SCALE_PARAMS else 0.1 * float(np.median(runs.measured))
+        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
+        if k in UNIT_PARAMS and x0[j] + h > 1.0:
+            h = -h  # stay inside [0, 1]
         x = x0.copy()
         x[j] += h
-        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, params))) - base) / (h if k in SCALE_PARAMS else 1.0)
+        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, params))) - base) / (h if k in SCALE_PARAMS else
+                                                                                     np.sign(h))
     return J
 
 
 def choose_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, min_effect: float = 0.02) -> list[str]:
     """The corrections these runs can determine: a parameter is kept when changing it moves some run's
-    prediction (by >= min_effect in log time per e-fold) AND, after removing what the parameters
-    already kept explain, still varies the runs differently (else it is degenerate with them). Most
-    influential first; at most (runs - 1) // 3 of them, so each fitted number rests on >= 3 runs."""
+    prediction (by >= min_effect in log time per e-fold, per 10% of the median step, per 0.1 of a
+    share) AND, after removing what the parameters already kept explain, still varies the runs
+    differently (else it is degenerate with them). Most influential first."""
     J = sensitivity(profile, runs, candidates)
-    limit = max(1, (len(runs) - 1) // 3)
     order = np.argsort(-np.abs(J).max(axis=0), kind="stable")
     kept: list[int] = []
     for j in order:
@@ -164,32 +178,61 @@ def choose_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, min_
             if np.linalg.norm(resid) < 0.1 * np.linalg.norm(col):
                 continue
         kept.append(int(j))
-        if len(kept) >= limit:
-            break
     return [candidates[j] for j in kept]
 
 
-def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS) -> list[str]:
-    """Forward selection by the Bayesian information criterion on the log errors: among the
-    corrections these runs can determine (choose_params), add the one that lowers
-    n*log(mean squared log error) + k*log(n) the most, while any does. The leave-one-out error is
-    not used here, so it stays an honest estimate for the set chosen."""
+def max_params(n_runs: int) -> int:
+    """At most this many corrections are fitted to n runs, so each fitted number rests on >= 3 runs."""
+    return max(1, (n_runs - 1) // 3)
+
+
+def _bic(n: int, rms: float, k: int) -> float:
+    return n * np.log(max(rms, 1e-12) ** 2) + k * np.log(n)
+
+
+def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> list[str]:
+    """Best subset by the Bayesian information criterion on the log errors, n*log(mean squared log
+    error) + k*log(n), among the corrections these runs can determine (choose_params), at most
+    max_params of them. Every subset is scored first by its linearised fit (the planner's Jacobian at
+    the profile, bounded least squares: cheap), the `screen` best and the empty set then by a real fit.
+    Corrections that only help together (one moves the runs one way, another corrects what it
+    overshoots) are found, which forward selection misses. The leave-one-out error is not used here,
+    so it stays an honest estimate for the set chosen."""
+    from itertools import combinations
+
+    from scipy.optimize import lsq_linear
+
     pool = choose_params(profile, runs, candidates)
     n = len(runs)
-
-    def bic(params):
-        f = fit(profile, runs, params)
-        return n * np.log(max(f.rms_log_error, 1e-12) ** 2) + len(params) * np.log(n)
-
-    chosen: list[str] = []
-    best = bic(chosen)
-    while len(chosen) < len(pool):
-        scores = {p: bic(chosen + [p]) for p in pool if p not in chosen}
-        p, v = min(scores.items(), key=lambda kv: kv[1])
-        if v >= best:
-            break
-        chosen.append(p)
-        best = v
+    base = np.log(predict(profile, runs))
+    r0 = base - np.log(runs.measured)
+    empty = _bic(n, float(np.sqrt(np.mean(r0**2))), 0)
+    if not pool:
+        return []
+    x0 = _to_x(profile, profile.corrections, pool)
+    lo, hi = _bounds(pool, runs)
+    J = np.empty((n, len(pool)))  # d log(predicted) / dx, x in the fit's own units
+    for j, k in enumerate(pool):
+        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
+        if x0[j] + h > hi[j]:
+            h = -h
+        x = x0.copy()
+        x[j] += h
+        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, pool))) - base) / h
+    scored = []
+    for k in range(1, min(max_params(n), len(pool)) + 1):
+        for sub in combinations(range(len(pool)), k):
+            idx = list(sub)
+            lo_d, hi_d = lo[idx] - x0[idx], hi[idx] - x0[idx]
+            sol = lsq_linear(J[:, idx], -r0, bounds=(np.minimum(lo_d, -1e-12), np.maximum(hi_d, 1e-12)))
+            rms = float(np.sqrt(np.mean((r0 + J[:, idx] @ sol.x) ** 2)))
+            scored.append((_bic(n, rms, k), k, [pool[i] for i in idx]))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    best, chosen = empty, []
+    for _, k, params in scored[:screen]:
+        v = _bic(n, fit(profile, runs, params).rms_log_error, k)
+        if v < best - 1e-9:
+            best, chosen = v, params
     return chosen
 
 
@@ -212,13 +255,14 @@ def fit(profile: MachineProfile, runs: RunSet, params, start: dict | None = None
         r = np.log(predict(profile, runs) / runs.measured)
         return Fit([], {}, float(np.sqrt(np.mean(r**2))), True, "nothing to fit")
     lo, hi = _bounds(params, runs)
-    x0 = np.clip(_to_x(dataclasses.replace(profile.corrections, **(start or {})), params), lo, hi)
+    x0 = np.clip(_to_x(profile, dataclasses.replace(profile.corrections, **(start or {})), params), lo, hi)
     logm = np.log(runs.measured)
 
     def resid(x):
         return np.log(predict(profile, runs, _to_corr(x, params))) - logm
 
-    scale = np.array([1.0 if k in SCALE_PARAMS else max(float(np.median(runs.measured)), 1e-9) * 0.1 for k in params])
+    scale = np.array([1.0 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else
+                      max(float(np.median(runs.measured)), 1e-9) * 0.1 for k in params])
     sol = least_squares(resid, x0, bounds=(lo, hi), x_scale=scale, method="trf", xtol=1e-8, ftol=1e-10,
                         gtol=1e-10, max_nfev=200)
     return Fit(params, _to_corr(sol.x, params), float(np.sqrt(np.mean(sol.fun**2))), bool(sol.success),
@@ -270,9 +314,10 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
     el = abs_pct_errors(loo_pred, runs.measured) if loo_pred is not None else None
     per = pd.DataFrame({"run": runs.labels, "measured_s": runs.measured, "before_s": before_pred,
                         "after_s": after_pred, "loo_s": loo_pred if loo_pred is not None else np.nan})
-    after = dataclasses.asdict(profile.corrections)
+    before = {k: _value(profile, profile.corrections, k) for k in PARAMS}
+    after = dict(before)
     after.update(f.corrections)
-    return Report(params, dataclasses.asdict(profile.corrections), after, len(runs), float(eb.mean()), float(eb.max()),
+    return Report(params, before, after, len(runs), float(eb.mean()), float(eb.max()),
                   float(ea.mean()), float(ea.max()), None if el is None else float(el.mean()),
                   None if el is None else float(el.max()), per, f)
 
@@ -281,7 +326,7 @@ def format_report(r: Report) -> str:
     lines = [f"{r.n_runs} measured runs; fitted: {', '.join(r.params) or 'nothing (no correction the runs determine lowers the information criterion: they support none)'}"]
     for k in PARAMS:
         mark = "  (fitted)" if k in r.params else ""
-        lines.append(f"  {k:18s} {r.before[k]:10.4g} -> {r.after[k]:10.4g}{mark}   {DOC[k]}")
+        lines.append(f"  {k:21s} {r.before[k]:10.4g} -> {r.after[k]:10.4g}{mark}   {DOC[k]}")
     lines.append(f"mean abs error  before {r.mape_before:6.1f}%   after {r.mape_after:6.1f}%"
                  + (f"   leave-one-out {r.mape_loo:6.1f}%" if r.mape_loo is not None else "   leave-one-out n/a"))
     lines.append(f"max abs error   before {r.max_ape_before:6.1f}%   after {r.max_ape_after:6.1f}%"
@@ -313,7 +358,9 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
                 f"against profile '{profile.name}' ({src}); fitted {', '.join(r.params) or 'nothing'} "
                 f"(others kept); mean abs error {r.mape_before:.1f}% before, {r.mape_after:.1f}% after, "
                 f"{loo} leave-one-out")
-    corr = {k: float(f"{r.after[k]:.6g}") for k in PARAMS}
+    # an overlap efficiency neither fitted nor set before stays the profile's measured one
+    corr = {k: float(f"{r.after[k]:.6g}") for k in PARAMS
+            if not (k in UNIT_PARAMS and k not in r.params and getattr(profile.corrections, k) is None)}
     corr["source"] = src_text
     d["corrections"] = corr
     return d

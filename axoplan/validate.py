@@ -37,7 +37,8 @@ from .rank import COLUMNS
 
 STATUSES = ("ok", "oom", "failed", "timeout")
 JOB_COLUMNS = ["candidate", "model", "machine", "gpus", "global_batch", "seq_len"]
-RESULT_COLUMNS = JOB_COLUMNS + COLUMNS + ["measured_time_s", "status", "error", "steps", "warmup_steps", "wall_s"]
+RESULT_COLUMNS = JOB_COLUMNS + COLUMNS + ["measured_time_s", "status", "error", "steps", "warmup_steps", "wall_s",
+                                          "repeat"]
 SWEEP_FILE, PLAN_FILE, RESULTS_FILE, SUMMARY_FILE, PLOT_FILE = (
     "sweep.json", "plan.csv", "results.csv", "summary.json", "ranking.png")
 ARRAY_FILE = "validate_array.sbatch"
@@ -60,8 +61,11 @@ class Sweep:
     timeout_s: float = 600.0
     micro_batch: int | None = None
     checkpointing: str = "both"
+    repeats: int = 1  # passes over the candidates, round robin; a candidate's time is the median
 
     def check(self) -> "Sweep":
+        if self.repeats < 1:
+            raise UserError(f"--repeats must be a positive integer, got {self.repeats}")
         if self.top_k is not None and self.top_k <= 0:
             raise UserError(f"--top-k must be a positive integer, got {self.top_k}")
         if self.steps <= self.warmup_steps:
@@ -273,8 +277,11 @@ def append_result(path: Path, row: dict) -> None:
     append_line(path, line)
 
 
-def read_results(path: str | Path) -> pd.DataFrame:
-    """results.csv as a DataFrame; a line cut short by a crash is dropped."""
+def read_results(path: str | Path, per_run: bool = False) -> pd.DataFrame:
+    """results.csv as a DataFrame, one row per candidate (per_run: one per run, i.e. per candidate and
+    repeat); a line cut short by a crash is dropped. A candidate measured in several repeats has the
+    median of its ok runs as measured_time_s (the spread in measured_spread: max/min - 1) and the
+    count in measured_runs."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -301,8 +308,34 @@ def read_results(path: str | Path) -> pd.DataFrame:
     for c in ("checkpointing", "feasible"):
         if c in df:
             df[c] = df[c].astype(str).str.lower().isin(("true", "1"))
-    # the last record of a candidate wins (a collect after a re-run)
-    return df.drop_duplicates(subset=["candidate"], keep="last").reset_index(drop=True)
+    # files written before repeats existed hold one run per candidate
+    df["repeat"] = pd.to_numeric(df["repeat"], errors="coerce").fillna(0).astype(int) if "repeat" in df else 0
+    # the last record of a run wins (a collect after a re-run)
+    df = df.drop_duplicates(subset=["candidate", "repeat"], keep="last").reset_index(drop=True)
+    return df if per_run else _per_candidate(df)
+
+
+def _header(path: Path) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
+
+
+def _per_candidate(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per candidate, in first-run order: its first ok run (else its first run) with the
+    median measured time of its ok runs."""
+    rows = []
+    for _, g in runs.groupby("candidate", sort=False):
+        ok = g[(g["status"] == "ok") & g["measured_time_s"].notna()]
+        row = (ok if len(ok) else g).iloc[0].copy()
+        t = ok["measured_time_s"].to_numpy(float)
+        row["measured_time_s"] = float(np.median(t)) if len(t) else row["measured_time_s"]
+        row["measured_runs"] = len(t)
+        row["measured_spread"] = float(t.max() / t.min() - 1) if len(t) > 1 else np.nan
+        row["wall_s"] = float(pd.to_numeric(g["wall_s"], errors="coerce").sum())
+        rows.append(row)
+    if not rows:
+        return runs.assign(measured_runs=pd.Series(dtype=int), measured_spread=pd.Series(dtype=float))
+    return pd.DataFrame(rows).reset_index(drop=True)
 
 
 # ---- scoring -----------------------------------------------------------------------------------
@@ -432,7 +465,8 @@ def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
     if sweep_path.exists():
         try:
             theirs = json.loads(sweep_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            theirs.setdefault("repeats", 1)  # sweeps started before repeats existed
+        except (OSError, json.JSONDecodeError, AttributeError):
             theirs = None
         if not resume and res_path.exists() and res_path.stat().st_size > 0:
             raise UserError(f"'{out}' already holds a sweep's results: pass --resume to continue it, or choose "
@@ -463,12 +497,12 @@ def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
     return plan
 
 
-def _result_row(sw: Sweep, row: dict, res: RunResult) -> dict:
+def _result_row(sw: Sweep, row: dict, res: RunResult, repeat: int = 0) -> dict:
     d = {c: row.get(c) for c in COLUMNS}
     d.update(candidate=row["candidate"], model=sw.model, machine=sw.machine, gpus=sw.gpus,
              global_batch=sw.global_batch, seq_len=sw.seq_len, measured_time_s=res.measured_time_s,
              status=res.status, error=res.error, steps=sw.steps, warmup_steps=sw.warmup_steps,
-             wall_s=round(res.wall_s, 3))
+             wall_s=round(res.wall_s, 3), repeat=repeat)
     return d
 
 
@@ -487,25 +521,42 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
 def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[str], None] = print,
               launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher,
               runner: Callable[..., RunResult] = run_one) -> dict:
-    """Plan, emit and run every candidate not yet recorded, appending to results.csv as each finishes;
-    then score. Returns the summary dict."""
+    """Plan, emit and run every candidate not yet recorded, appending to results.csv as each run
+    finishes; then score. With repeats, the candidates run in passes (round robin, so a machine that
+    drifts during the sweep shifts every candidate alike); a candidate whose first run did not finish
+    ok is not run again. Returns the summary dict."""
     sw.check()
     out = Path(out)
     plan = _prepare(sw, out, resume)
     res_path = out / RESULTS_FILE
-    done = set(read_results(res_path)["candidate"]) if res_path.exists() and res_path.stat().st_size else set()
-    todo = [r for r in plan.to_dict("records") if r["candidate"] not in done]
-    if done:
-        echo(f"resuming: {len(done)} of {len(plan)} candidates already recorded, {len(todo)} to run")
+    recorded = read_results(res_path, per_run=True) if res_path.exists() and res_path.stat().st_size else None
+    if recorded is not None and _header(res_path) != RESULT_COLUMNS:
+        # a sweep begun by an older axoplan: rewrite its records in today's columns before appending
+        atomic_write_text(res_path, "".join(_csv_line(v) for v in
+                                            [RESULT_COLUMNS] + recorded.reindex(columns=RESULT_COLUMNS).values.tolist()))
+    status = {} if recorded is None else {(c, int(r)): s for c, r, s in
+                                         zip(recorded["candidate"], recorded["repeat"], recorded["status"])}
+    total = len(plan) * sw.repeats
+    if status:
+        echo(f"resuming: {len(status)} of {total} runs already recorded")
     else:
-        echo(f"{len(plan)} candidates of {_sweep_title(sw)}; runs in {out / 'runs'}")
-    for j, row in enumerate(todo, 1):
-        run_dir = (out / "runs" / row["candidate"]).resolve()
-        res = runner(run_dir, sw.gpus, sw.timeout_s, launcher=launcher)
-        append_result(res_path, _result_row(sw, row, res))
-        meas = f"{res.measured_time_s:.4g} s" if res.measured_time_s is not None else "-"
-        echo(f"[{len(done) + j}/{len(plan)}] {row['candidate']}: {res.status:7s} measured {meas:>10s}  "
-             f"predicted {row['batch_time_s']:.4g} s  ({res.wall_s:.0f} s)" + (f"  {res.error}" if res.error else ""))
+        passes = f" x {sw.repeats} passes" if sw.repeats > 1 else ""
+        echo(f"{len(plan)} candidates{passes} of {_sweep_title(sw)}; runs in {out / 'runs'}")
+    n = len(status)
+    for rep in range(sw.repeats):
+        for row in plan.to_dict("records"):
+            c = row["candidate"]
+            if (c, rep) in status or (rep > 0 and status.get((c, 0)) not in (None, "ok")):
+                continue
+            run_dir = (out / "runs" / c).resolve()
+            res = runner(run_dir, sw.gpus, sw.timeout_s, launcher=launcher)
+            append_result(res_path, _result_row(sw, row, res, rep))
+            status[(c, rep)] = res.status
+            n += 1
+            meas = f"{res.measured_time_s:.4g} s" if res.measured_time_s is not None else "-"
+            tag = f" (pass {rep + 1})" if sw.repeats > 1 else ""
+            echo(f"[{n}/{total}] {c}{tag}: {res.status:7s} measured {meas:>10s}  predicted "
+                 f"{row['batch_time_s']:.4g} s  ({res.wall_s:.0f} s)" + (f"  {res.error}" if res.error else ""))
     return finish(out, _sweep_title(sw), echo)
 
 
@@ -517,6 +568,8 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
     import shlex
 
     sw.check()
+    if sw.repeats > 1:
+        raise UserError("--repeats is for sweeps run here: a Slurm array runs each candidate once")
     out = Path(out).resolve()
     plan = _prepare(sw, out, resume=(out / SWEEP_FILE).exists())
     profile = load_profile(sw.machine)

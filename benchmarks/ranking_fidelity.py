@@ -5,6 +5,9 @@ and report the leave-one-out error. Prints the issue-5 targets with the figures 
     python benchmarks/ranking_fidelity.py                      # gpt-tiny, 4 and 8 ranks, localhost-cpu
     python benchmarks/ranking_fidelity.py --model gpt-small --ranks 4 --out /tmp/rf --resume
 
+Each candidate runs --repeats times (default 2), in passes over all candidates, so drift of the
+machine during a sweep reaches every candidate alike; its time is the median of its runs.
+
 8 ranks on a 2-core machine are oversubscribed (4 processes per core): that measures the trainer under
 contention, which the profile (calibrated with 4 ranks) does not describe; the figures are reported,
 not targeted. Other processes running on the machine at the same time distort every measurement: the
@@ -61,14 +64,14 @@ def one(args, ranks: int) -> dict:
     out = Path(args.out) / f"{args.model}-{ranks}ranks"
     sw = V.Sweep(model=args.model, machine=args.machine, gpus=ranks, global_batch=args.global_batch, top_k=None,
                  all=True, steps=args.steps, warmup_steps=args.warmup, timeout_s=args.timeout,
-                 checkpointing=args.checkpointing)
+                 checkpointing=args.checkpointing, repeats=args.repeats)
     # the profile was calibrated with gpus_per_node ranks on this machine's cores; more ranks than that
     # share the cores further than anything the profile measured
     prof = load_profile(args.machine)
     over = (f" (OVERSUBSCRIBED: {ranks} processes on {os.cpu_count()} cores; the profile was calibrated with "
             f"{prof.gpus_per_node})" if ranks > prof.gpus_per_node else "")
     print(f"\n=== {args.model}, {ranks} ranks{over}, global batch {args.global_batch}, profile {args.machine}, "
-          f"--all, {args.steps} steps ({args.warmup} warm-up) ===")
+          f"--all, {args.steps} steps ({args.warmup} warm-up), {args.repeats} pass(es) ===")
     if args.rescore:
         print(f"re-scoring the recorded runs in {out} with the planner as it is now (no new runs)")
     else:
@@ -85,6 +88,11 @@ def one(args, ranks: int) -> dict:
     if not np.allclose(then[ok], res.loc[ok, "batch_time_s"]):
         print("note: the planner's predictions changed since the sweep ran; scoring the current ones")
     s = V.score(res)
+    spread = res.loc[ok, "measured_spread"].dropna() if "measured_spread" in res else []
+    if len(spread):
+        # how far one run of a candidate is from another: the noise floor of every error below
+        print(f"repeat spread (max/min - 1 over a candidate's runs): median {100 * spread.median():.1f}%, "
+              f"max {100 * spread.max():.1f}%")
     print("scores (current planner):")
     print(V.format_score(s))
     print("per run (model terms from `axoplan explain`):")
@@ -138,6 +146,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="passes over the candidates, round robin (each candidate's time: the median of its runs)")
     ap.add_argument("--checkpointing", default="off", choices=["both", "on", "off"])
     ap.add_argument("--params", default="auto", help="corrections to refit (comma-separated) or auto")
     ap.add_argument("--out", default="ranking-fidelity-out")

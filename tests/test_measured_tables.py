@@ -130,6 +130,24 @@ def test_burst_length_interpolated_and_clamped(tmp_path):
     assert got == pytest.approx([2e-3, 3e-3, 4e-3, 4e-3])
 
 
+def test_strides_pooled_only_where_ranks_share_cores(tmp_path):
+    """A table timed after compute bursts comes from ranks sharing cores, none pinned: groups of one
+    size at strides 1 and 2 measured the same thing, so both read the geometric mean of their runs at
+    each burst level (at the mean burst length). A table without bursts (GPUs, NUMA) keeps strides apart."""
+    rows = []
+    for st, scale, b1 in ((1, 1.0, 1e-3), (2, 4.0, 3e-3)):
+        for nbytes, t in ((8, 1e-3), (1024, 2e-3)):
+            rows += [("all_reduce", 2, st, nbytes, scale * t, 0.0), ("all_reduce", 2, st, nbytes, scale * 2 * t, b1)]
+    prof = _profile(tmp_path, rows)
+    for st in (1, 2):
+        got = C.table_seconds(prof, "all_reduce", 2, st, np.array([8.0, 1024.0, 8.0]), np.array([0.0, 0.0, 2e-3]))
+        assert got == pytest.approx([2e-3, 4e-3, 4e-3])  # sqrt(1 * 4) x the stride-1 times; burst level (1 + 3) / 2 ms
+    flat = [r for r in rows if r[5] == 0.0]
+    prof = _profile(tmp_path, flat)
+    assert C.table_seconds(prof, "all_reduce", 2, 1, np.array([8.0]), np.array([0.0]))[0] == pytest.approx(1e-3)
+    assert C.table_seconds(prof, "all_reduce", 2, 2, np.array([8.0]), np.array([0.0]))[0] == pytest.approx(4e-3)
+
+
 def test_a_dip_in_a_measured_curve_is_pooled_as_noise(tmp_path):
     prof = _profile(tmp_path, [("all_reduce", 2, 1, 8, 1e-3), ("all_reduce", 2, 1, 64, 0.5e-3),
                                ("all_reduce", 2, 1, 512, 1.5e-3)])

@@ -27,7 +27,8 @@ def synthetic_results(path, model, profile_path, true: dict, jobs, noise: float 
         df = distinct_configs(rank(str(model), prof, gpus, gb)).iloc[::every]
         for i, r in enumerate(df.to_dict("records")):
             r.update(candidate=f"g{gpus}b{gb}c{i:02d}", model=str(model), machine=str(profile_path), gpus=gpus,
-                     global_batch=gb, seq_len="", status="ok", error="", steps=10, warmup_steps=3, wall_s=1.0)
+                     global_batch=gb, seq_len="", status="ok", error="", steps=10, warmup_steps=3, wall_s=1.0,
+                     repeat=0)
             rows.append(r)
     df = pd.DataFrame(rows)
     runs = runs_from_results(df.assign(measured_time_s=1.0, seq_len=None))
@@ -156,3 +157,44 @@ def test_refit_errors_are_one_sentence(tmp_path, pm_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["refit", "--results", str(failed), "--machine", str(pm_path), "--out", str(tmp_path / "n.yaml")])
     assert e.value.code == 2 and "no run that finished ok" in capsys.readouterr().err
+
+
+def test_refit_recovers_the_trainers_overlap_with_a_per_call_cost(tmp_path, write_profile, model_yaml):
+    """The calibration's overlap (a synthetic burst beside a collective) says 0.2 of a background
+    collective hides; the trainer hides 0.8 and pays a fixed cost per call. Neither correction alone
+    explains such runs well; the best subset by BIC holds both and recovers them."""
+    from conftest import profile_dict
+
+    d = profile_dict(name="ovl", gpus_per_node=8, intra_groups=((2, 1, 20), (4, 1, 20), (8, 1, 20)))
+    d["network"]["overlap_efficiency"] = {"value": 0.2, "source": "test"}
+    prof = write_profile(raw=d, name="ovl")
+    model = model_yaml(name="mid", n_layers=4, hidden=1024, n_heads=16, vocab=4096, seq_len=512)
+    true = {"overlap_efficiency": 0.8, "collective_overhead_s": 3e-4}
+    res = tmp_path / "r.csv"
+    synthetic_results(res, model, prof, true, [(8, 32), (8, 64), (4, 16)], every=2)
+    out = tmp_path / "new.yaml"
+    r = refit(str(res), str(prof), str(out))
+    assert set(true) <= set(r.params)
+    assert r.after["overlap_efficiency"] == pytest.approx(0.8, abs=0.02)
+    assert r.after["collective_overhead_s"] == pytest.approx(3e-4, rel=0.05)
+    assert r.before["overlap_efficiency"] == 0.2 and r.mape_loo < 1.0 < r.mape_before
+    new = load_profile(str(out))
+    assert new.overlap_efficiency == 0.2  # the measured value stays; the correction overrides it
+    assert new.corrections.overlap_efficiency == pytest.approx(0.8, abs=0.02) and new.overlap == new.corrections.overlap_efficiency
+
+
+def test_an_unset_overlap_correction_is_not_written_and_a_bad_one_is_refused(setup, write_profile, capsys):
+    tmp, model, prof = setup
+    res = tmp / "results.csv"
+    synthetic_results(res, model, prof, {"gemm_scale": 0.5}, [(8, 32)], every=2)
+    out = tmp / "new.yaml"
+    refit(str(res), str(prof), str(out), params=["gemm_scale"])
+    assert "overlap_efficiency" not in yaml.safe_load(out.read_text())["corrections"]
+    assert load_profile(str(out)).corrections.overlap_efficiency is None
+    d = yaml.safe_load(out.read_text())
+    d["corrections"]["overlap_efficiency"] = 1.5
+    bad = write_profile(raw=d, name="bad-overlap")
+    with pytest.raises(SystemExit) as e:
+        main(["rank", "-m", str(model), "-p", str(bad), "-g", "4", "-b", "16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "corrections.overlap_efficiency" in err and "between 0 and 1" in err

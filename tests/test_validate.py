@@ -144,6 +144,71 @@ def test_resume_after_an_interruption(tmp_path, pm_path):
     assert list(res["measured_time_s"]) == [1.0, 2.0, 3.0, 4.0] and s["ok"] == 4
 
 
+def test_repeats_run_in_passes_take_the_median_and_resume(tmp_path, pm_path):
+    """Three passes, round robin: every candidate once before any twice; a candidate that failed in
+    the first pass is not run again; each candidate's time is the median of its runs; an interruption
+    in the second pass resumes at the run it stopped at."""
+    out = tmp_path / "sw"
+    times = {"c01": [1.0, 1.4, 1.1], "c03": [3.0, 2.0, 3.3], "c04": [4.0, 4.0, 4.4]}
+    calls = []
+    interrupt = [True]
+
+    def runner(run_dir, gpus, timeout_s, launcher):
+        c = run_dir.name[:3]
+        calls.append(c)
+        if len(calls) == 6 and interrupt and interrupt.pop():
+            raise KeyboardInterrupt
+        if c == "c02":
+            return V.RunResult(None, "oom", "out of memory", 0.1)
+        return V.RunResult(times[c][calls.count(c) - 1], "ok", "", 0.1)
+
+    sw = sweep(pm_path)
+    sw.repeats = 3
+    with pytest.raises(KeyboardInterrupt):
+        V.run_sweep(sw, out, echo=lambda s: None, runner=runner)
+    assert calls == ["c01", "c02", "c03", "c04", "c01", "c03"]
+    runs = V.read_results(out / "results.csv", per_run=True)
+    assert list(zip(runs["candidate"].str[:3], runs["repeat"])) == [("c01", 0), ("c02", 0), ("c03", 0), ("c04", 0),
+                                                                      ("c01", 1)]
+    calls[:] = ["c01", "c02", "c03", "c04", "c01"]  # what ran before; the counts index the times
+    s = V.run_sweep(sw, out, resume=True, echo=lambda s: None, runner=runner)
+    assert calls[5:] == ["c03", "c04", "c01", "c03", "c04"]  # c02 (oom) never again
+    res = V.read_results(out / "results.csv")
+    assert [c[:3] for c in res["candidate"]] == ["c01", "c02", "c03", "c04"]
+    assert list(res["measured_time_s"][[0, 2, 3]]) == [1.1, 3.0, 4.0]
+    assert list(res["measured_runs"]) == [3, 0, 3, 3] and res["status"][1] == "oom"
+    assert res["measured_spread"][0] == pytest.approx(0.4) and s["ok"] == 3
+    with pytest.raises(UserError, match="repeats"):
+        V.write_slurm_array(sw, tmp_path / "slurm")
+    sw.repeats = 0
+    with pytest.raises(UserError, match="--repeats must be a positive integer"):
+        V.run_sweep(sw, tmp_path / "zero", echo=lambda s: None, runner=runner)
+
+
+def test_a_sweep_from_before_repeats_resumes(tmp_path, pm_path):
+    """results.csv and sweep.json without the repeat column and key: the recorded runs count as the
+    first pass, the file is rewritten in today's columns before anything is appended."""
+    out = tmp_path / "old"
+    done = []
+
+    def runner(run_dir, gpus, timeout_s, launcher):
+        done.append(run_dir.name[:3])
+        return V.RunResult(float(run_dir.name[2]), "ok", "", 0.1)
+
+    V.run_sweep(sweep(pm_path, top_k=2), out, echo=lambda s: None, runner=runner)
+    lines = (out / "results.csv").read_text().splitlines()
+    cut = lines[0].split(",").index("repeat")
+    (out / "results.csv").write_text("\n".join(",".join(l.split(",")[:cut]) for l in lines[:2]) + "\n")
+    sj = json.loads((out / "sweep.json").read_text())
+    del sj["repeats"]
+    (out / "sweep.json").write_text(json.dumps(sj))
+    done.clear()
+    V.run_sweep(sweep(pm_path, top_k=2), out, resume=True, echo=lambda s: None, runner=runner)
+    assert done == ["c02"]
+    assert (out / "results.csv").read_text().splitlines()[0].endswith(",repeat")
+    assert list(V.read_results(out / "results.csv")["measured_time_s"]) == [1.0, 2.0]
+
+
 def test_slurm_array_and_collect(tmp_path, pm_path):
     out = tmp_path / "slurm sweep"
     path = V.write_slurm_array(sweep(pm_path, top_k=3), out)

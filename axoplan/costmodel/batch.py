@@ -149,7 +149,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     ew_emb = K.elementwise_seconds(profile, 2 * T * (model.hidden / gx) * e)
     kf, kb = K.KERNELS_FWD_PER_BLOCK * ko, K.KERNELS_BWD_PER_BLOCK * ko
     k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
-    eta = profile.overlap_efficiency
+    eta = profile.overlap
     g = C.place(profile, c)
     if profile.coll_table is not None:
         # measured collectives depend on the compute before each call (ranks sharing cores): the
