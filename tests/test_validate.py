@@ -245,3 +245,15 @@ def test_validate_end_to_end_with_the_trainer(tmp_path, pm_path, capsys):
     log = (out / "runs" / res["candidate"][0] / "run.log").read_text()
     assert '"summary": true' in log
     assert "Kendall tau" in text.out
+
+
+def test_repeats_flag_reaches_the_sweep_and_bad_values_are_one_sentence(tmp_path, pm_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["validate", "-m", "gpt-tiny", "-p", str(pm_path), "-g", "4", "-b", "8", "--repeats", "0",
+              "--out", str(tmp_path / "z")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--repeats must be a positive integer" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["validate", "-m", "gpt-tiny", "-p", str(pm_path), "-g", "4", "-b", "8", "--repeats", "2", "--slurm",
+              "--out", str(tmp_path / "s")])
+    assert e.value.code == 2 and "Slurm array runs each candidate once" in capsys.readouterr().err
