@@ -34,6 +34,7 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
 
     results.mkdir(parents=True, exist_ok=True)
     log_path = results / "worker.log"
+    adding = "--add" in extra  # parts on top of an earlier run: its log stays
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "calibration.worker", "--results", str(results), "--device", device, "--command", command]
     if quick:
@@ -45,7 +46,7 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     t0 = time.time()
-    with open(log_path, "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
+    with open(log_path, "a" if adding else "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
                                               MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("starting workers", total=None)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
@@ -97,8 +98,10 @@ def _validate_written(built) -> None:
             raise UserError(f"the measured profile does not pass the planner's schema check ({e})") from None
 
 
-def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
+def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False) -> None:
     s = built.summary
+    if added:  # this command measured only the added parts: their loads and time are the ones to show
+        meta = {**meta, **meta.get("added", {})}
     # the measurement's own ranks count in the load at the end: only load beyond them is other work
     cores = meta.get("cpu_count") or 1
     own = meta.get("world") or meta.get("ranks_per_node") or 0
@@ -110,7 +113,8 @@ def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
                    f"{cores} cores): other work slowed the measurements; rerun on a quiet machine", err=True)
     click.echo(f"wrote {out} (GEMM table {out.parent / built.profile['compute']['gemm']['table']['path']})")
     if wall_s is not None:
-        click.echo(f"  calibration took {wall_s:.0f} s (workers {s.get('elapsed_s')} s)")
+        click.echo(f"  calibration took {wall_s:.0f} s (workers {meta.get('elapsed_s')} s"
+                   + (f", parts {', '.join(meta.get('parts', []))})" if added else ")"))
     click.echo(f"  GEMM ceiling      {s['gemm_ceiling_tflops'] * 1e3:.1f} GFLOP/s per rank "
                f"({s['gemm_ceiling_shape']}), "
                f"dim_half {s['dim_half']:.0f}")
@@ -126,10 +130,42 @@ def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
     click.echo(f"  ring latency      {s['latency_us']:.0f} us per step")
     if "overlap_efficiency" in s:
         click.echo(f"  overlap           {s['overlap_efficiency']:.2f} of a background collective hides behind compute")
+    if "trainer_runs" in s:
+        fitted = ", ".join(f"{k} {v:.4g}" for k, v in s["trainer_params"].items()) or "none needed"
+        loo = f", {s['trainer_mape_loo']:.1f}% leave-one-out" if s.get("trainer_mape_loo") is not None else ""
+        click.echo(f"  trainer on grids  {s['trainer_runs']} steps; corrections: {fitted} (error "
+                   f"{s['trainer_mape_before']:.1f}% -> {s['trainer_mape_after']:.1f}%{loo})")
     bw = ", ".join(f"{k}: {v:.2f}" for k, v in s["busbw_gbs"].items())
     click.echo(f"  busbw (size x stride, GB/s)  {bw}")
     click.echo(f"  network model fit error      rms {s['network_model_rms_rel_err']:.0%}, "
                f"max {s['network_model_max_rel_err']:.0%}")
+
+
+def _parts_args(parts: str, results: Path, nproc: int | None, from_results, emit_slurm) -> tuple[int, list[str]]:
+    """--parts: which parts, checked against the earlier run they are added to; the worker's arguments."""
+    from calibration.results_io import ResultsDir
+    from calibration.worker import PARTS
+
+    if from_results or emit_slurm is not None:
+        raise UserError("--parts measures here; it goes with neither --from-results nor --emit-slurm")
+    names = [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in names if p not in PARTS]
+    if not names or bad:
+        raise UserError(f"--parts takes a comma-separated list of {', '.join(PARTS)}; got '{parts}'")
+    try:
+        meta = ResultsDir(results).meta()
+    except (OSError, ValueError):
+        meta = {}
+    if meta.get("status") != "complete":
+        raise UserError(f"--parts adds to a complete earlier calibration, and {results} holds none "
+                        f"(run a whole calibration first, or name its folder with --results)")
+    if meta.get("nodes", 1) > 1:
+        raise UserError(f"--parts re-measures on this node only, and the run in {results} spans {meta['nodes']} nodes")
+    ranks = meta.get("ranks_per_node")
+    if nproc is not None and nproc != ranks:
+        raise UserError(f"--nproc {nproc} differs from the {ranks} ranks of the earlier run in {results}; "
+                        f"parts of one profile are measured with the same ranks")
+    return ranks, ["--only", ",".join(names), "--add"]
 
 
 @click.command("calibrate")
@@ -145,12 +181,16 @@ def _print_summary(out: Path, built, wall_s: float | None, meta: dict) -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--from-results", "from_results", type=str, default=None,
               help="Fit and write the profile from an earlier run's results folder; measure nothing.")
+@click.option("--parts", type=str, default=None,
+              help="Measure only these parts again (comma-separated: gemm, collectives, memory, attention, "
+                   "framework, trainer, overlap) on top of the complete earlier run in the results folder, "
+                   "keeping the others, and write the profile from all of them.")
 @click.option("--emit-slurm", "emit_slurm", type=int, default=None, metavar="NODES",
               help="Write an sbatch script that calibrates across NODES nodes, instead of measuring here.")
 @click.option("--script", type=str, default=None, help="Where --emit-slurm writes (default: calibrate-NAME.sbatch).")
 @click.option("--worker-arg", "worker_args", multiple=True, hidden=True,
               help="Extra argument for calibration.worker (tests use it to shrink the sweep).")
-def calibrate(nproc, out, quick, results, models, device, from_results, emit_slurm, script, worker_args):
+def calibrate(nproc, out, quick, results, models, device, from_results, parts, emit_slurm, script, worker_args):
     """Measure this machine (GEMMs, memory, collectives per group shape) and write its profile."""
     out_p = _check_out(out)
     name = out_p.stem
@@ -165,6 +205,9 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
     from calibration.profile_writer import CalibrationError, fits_csv
     from calibration.results_io import ResultsDir
 
+    add_args: list[str] = []
+    if parts is not None:
+        nproc, add_args = _parts_args(parts, results_p, nproc, from_results, emit_slurm)
     if emit_slurm is not None:
         from calibration.slurm import sbatch_script
 
@@ -201,8 +244,9 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
         if nproc < 2:
             raise UserError("--nproc must be at least 2: collectives need two ranks")
         command = f"axoplan calibrate --nproc {nproc} --out {out_p}" + (" --quick" if quick else "") + (
-            f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "")
-        wall = _run_workers(nproc, results_p, quick, models, device, command, list(worker_args))
+            f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "") + (
+            f" --parts {parts}" if parts else "")
+        wall = _run_workers(nproc, results_p, quick, models, device, command, add_args + list(worker_args))
 
     from calibration import profile_writer
 
@@ -217,4 +261,4 @@ def calibrate(nproc, out, quick, results, models, device, from_results, emit_slu
     atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
     for fname, text in built.files().items():  # the tables first, the profile that names them last
         atomic_write_text(out_p if fname == f"{name}.yaml" else out_p.parent / fname, text)
-    _print_summary(out_p, built, wall, rd.meta())
+    _print_summary(out_p, built, wall, rd.meta(), added=bool(parts))

@@ -289,9 +289,11 @@ class Report:
     fit: Fit = field(repr=False)
 
 
-def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: bool = True) -> Report:
+def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: bool = True,
+                  candidates=PARAMS) -> Report:
+    """`params` "auto": the best subset of `candidates` (select_params)."""
     if params == "auto":
-        params = select_params(profile, runs)
+        params = select_params(profile, runs, candidates)
     else:
         params = list(params)
         unknown = [p for p in params if p not in PARAMS]

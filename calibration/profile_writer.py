@@ -57,6 +57,15 @@ def run_tag(meta: dict) -> str:
             f"{meta['backend_version']}, {meta['world']} ranks{nodes}, {meta['dtype']}: `{meta['command']}`")
 
 
+def part_tag(meta: dict, part: str) -> str:
+    """run_tag for one part: a part measured again later (calibrate --parts) names its own date and command."""
+    date = (meta.get("part_dates") or {}).get(part, meta["date"])
+    added = meta.get("added") or {}
+    if date == meta["date"] or added.get("date") != date:
+        return run_tag(meta)
+    return run_tag({**meta, "date": date, "command": added.get("command", meta["command"])})
+
+
 def _r(x: float, digits: int = 4) -> float:
     """Round to `digits` significant digits: a profile is read by people."""
     if x == 0 or not math.isfinite(x):
@@ -322,16 +331,12 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
     from scipy.optimize import nnls
 
     from axoplan.costmodel.batch import evaluate
-    from axoplan.machine import load_profile
     from axoplan.space import Candidates
     from axoplan.specs import Job
 
     from .framework import tiny_model
 
-    with tempfile.TemporaryDirectory() as d:
-        for fname, text in files.items():
-            (Path(d) / fname).write_text(text)
-        prof = load_profile(str(Path(d) / f"{profile['name']}.yaml"))
+    prof = _load(profile, files)
     one = np.ones(1, dtype=np.int64)
     A, y, details = [], [], []
     for r in rows:
@@ -367,6 +372,64 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
     return oh_entry, _r(eff, 3), how, {"kernel_overhead_us": oh * 1e6, "bare_op_us": bare["us"],
                                         "framework_rms_rel_err": err, "elementwise_efficiency": eff,
                                         "elementwise_efficiency_ops": prof.elementwise_efficiency}
+
+
+# what the trainer's steps on parallel grids decide; GEMM and element-wise rates are measured directly
+TRAINER_PARAMS = ("collective_overhead_s", "latency_scale", "intra_bw_scale", "inter_bw_scale", "overlap_efficiency",
+                  "kernel_overhead_scale", "step_overhead_s")
+
+
+def _load(profile: dict, files: dict[str, str]):
+    from axoplan.machine import load_profile
+
+    with tempfile.TemporaryDirectory() as d:
+        for fname, text in files.items():
+            (Path(d) / fname).write_text(text)
+        return load_profile(str(Path(d) / f"{profile['name']}.yaml"))
+
+
+def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: str, world: int):
+    """The profile's corrections, fitted to the trainer's steps on every grid of the calibration world:
+    least squares on log time, the corrections chosen by the information criterion among those the
+    steps decide (refit.select_params), with the leave-one-out error reported. What `axoplan refit`
+    does with a user's runs, done here on calibration models, so a fresh profile already describes the
+    trainer's collectives and overlap; a refit on real runs starts from these."""
+    import numpy as np
+
+    from axoplan.launch import ORDERS
+    from axoplan.refit import RunSet, refit_profile
+    from axoplan.space import Candidates
+    from axoplan.specs import Job
+
+    from .trainer_grids import calibration_model
+
+    prof = _load(profile, files)
+    groups, measured, labels = [], [], []
+    by_model: dict = defaultdict(list)
+    for r in rows:
+        by_model[(r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq"], r["global_batch"])].append(r)
+    for (layers, hidden, heads, vocab, seq, gb), rs in by_model.items():
+        model = calibration_model(layers, hidden, heads, vocab, seq)
+        col = lambda k, dt=np.int64: np.array([r[k] for r in rs], dtype=dt)  # noqa: E731
+        c = Candidates(col("gx"), col("gy"), col("gz"), col("gdata"),
+                       np.array([ORDERS.index(r["order"]) for r in rs], dtype=np.int8), col("micro_batch"),
+                       np.zeros(len(rs), dtype=bool))
+        idx = np.arange(len(measured), len(measured) + len(rs))
+        groups.append((model, Job(world, gb, seq).validate(), c, idx))
+        measured += [r["seconds"] for r in rs]
+        labels += [f"{model.name} {r['gx']}x{r['gy']}x{r['gz']}x{r['gdata']} {r['order']}" for r in rs]
+    runs = RunSet(groups, np.array(measured, dtype=float), labels)
+    rep = refit_profile(prof, runs, "auto", loo=True, candidates=TRAINER_PARAMS)
+    fitted = {k: _r(rep.after[k], 4) for k in rep.params}
+    models = sorted({lab.split(" ")[0] for lab in labels})
+    loo = f"{rep.mape_loo:.1f}%" if rep.mape_loo is not None else "n/a"
+    how = (f"{tag}; fitted to the bundled trainer's optimizer steps on {len(runs)} grids and placements of all "
+           f"{world} ranks ({len(models)} calibration models: {', '.join(models)}; median after warm-up, as the "
+           f"trainer reports), least squares on log time, corrections chosen by the information criterion among "
+           f"{', '.join(TRAINER_PARAMS)}: {', '.join(rep.params) or 'none'}; mean abs error {rep.mape_before:.1f}% "
+           f"before, {rep.mape_after:.1f}% after, {loo} leave-one-out. `axoplan refit` refines these from real runs")
+    return fitted, how, {"trainer_runs": len(runs), "trainer_params": fitted, "trainer_mape_before": rep.mape_before,
+                         "trainer_mape_after": rep.mape_after, "trainer_mape_loo": rep.mape_loo}
 
 
 def build(results: ResultsDir, name: str, table_name: str) -> Built:
@@ -435,6 +498,17 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
                           f"fitted to the trainer's own element-wise work (see compute.kernel_overhead_us)")
         mem["elementwise_efficiency"] = eff
         summary.update(s5)
+    tr_rows = results.rows("trainer")
+    if tr_rows:
+        fitted, how, s6 = trainer_part(tr_rows, profile, built.files(), part_tag(meta, "trainer"), meta["world"])
+        profile["corrections"] = {**profile["corrections"], **fitted, "source": how}
+        summary.update(s6)
+    parts = meta.get("part_dates")
+    if parts and len(set(parts.values())) > 1:
+        profile["calibration"]["parts"] = dict(sorted(parts.items()))
+        added = meta.get("added") or {}
+        profile["calibration"]["added"] = {k: added[k] for k in ("date", "parts", "command", "loadavg_start",
+                                                                   "loadavg_end", "elapsed_s") if k in added}
     return built
 
 

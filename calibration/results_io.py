@@ -16,6 +16,8 @@ COLUMNS = {
     "attention": ["batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"],
     "overlap": ["collective", "size", "stride", "bytes", "burst_s", "collective_s", "together_s", "efficiency"],
     "framework": ["layers", "hidden", "heads", "vocab", "seq", "micro_batch", "grad_acc", "seconds"],
+    "trainer": ["layers", "hidden", "heads", "vocab", "seq", "global_batch", "micro_batch", "gx", "gy", "gz", "gdata",
+                "order", "seconds"],
 }
 
 
@@ -26,15 +28,21 @@ class ResultsDir:
     def csv_path(self, table: str) -> Path:
         return self.path / f"{table}.csv"
 
-    def start(self, meta: dict) -> None:
-        """A fresh run: old tables are removed so rows of two runs never mix."""
+    def start(self, meta: dict, tables=None) -> None:
+        """A fresh run: old tables are removed so rows of two runs never mix. With `tables`, only those
+        are started again (parts re-measured on top of an earlier run; the others are kept)."""
         self.path.mkdir(parents=True, exist_ok=True)
         for table, cols in COLUMNS.items():
+            if tables is not None and table not in tables:
+                continue
             p = self.csv_path(table)
             if p.exists():
                 p.unlink()
             append_line(p, ",".join(cols))
         self.write_meta(meta)
+
+    def columns(self, table: str) -> list[str]:
+        return COLUMNS[table]
 
     def append(self, table: str, row: dict) -> None:
         cols = COLUMNS[table]

@@ -30,6 +30,9 @@ class Plan:
     gemm_values: list = field(default_factory=list)
 
 
+PARTS = ("gemm", "collectives", "memory", "attention", "framework", "trainer", "overlap")
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -116,6 +119,23 @@ def _cpu_name() -> str:
     return platform.processor() or "CPU"
 
 
+def merge_meta(old: dict, new: dict, parts: set) -> dict:
+    """The meta of an earlier complete run with `parts` measured again now: its own fields kept (they
+    describe the parts that stay), the date of every part recorded, the new load averages kept apart."""
+    if old.get("status") != "complete":
+        raise SystemExit("calibration.worker --add: the results folder holds no complete earlier run")
+    for k in ("world", "ranks_per_node", "device", "dtype", "threads_per_rank"):
+        if old.get(k) != new.get(k):
+            raise SystemExit(f"calibration.worker --add: the earlier run had {k} {old.get(k)}, this one {new.get(k)}")
+    m = dict(old)
+    dates = dict(old.get("part_dates") or {p: old["date"] for p in old.get("measured", [])})
+    dates.update({p: new["date"] for p in parts})
+    m.update(status="running", part_dates=dates, measured=sorted(set(old.get("measured", [])) | set(parts)),
+             added={"date": new["date"], "parts": sorted(parts), "command": new["command"],
+                    "loadavg_start": new["loadavg_start"]})
+    return m
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="calibration.worker")
     ap.add_argument("--results", required=True)
@@ -126,7 +146,9 @@ def parse_args(argv=None):
     ap.add_argument("--bw-elements", type=int, default=0, help="elements per buffer of the bandwidth test")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--command", default="")
-    ap.add_argument("--only", default="gemm,collectives,memory,attention,framework,overlap")
+    ap.add_argument("--only", default=",".join(PARTS))
+    ap.add_argument("--add", action="store_true",
+                    help="re-measure the --only parts on top of the complete run in --results, keeping the others")
     return ap.parse_args(argv)
 
 
@@ -137,7 +159,7 @@ def main(argv=None) -> int:
 
     from axoplan.specs import load_model
 
-    from . import collectives, framework, gemm, memory
+    from . import collectives, framework, gemm, memory, trainer_grids
     from .results_io import ResultsDir
 
     t_start = time.time()
@@ -205,6 +227,7 @@ def main(argv=None) -> int:
              + ((2 * len(plan.bw_elements) + 4 * len(plan.act_shapes) + 4) if "memory" in only else 0)
              + (4 * len(plan.attn_shapes) if "attention" in only else 0)
              + (len(framework.CONFIGS) if "framework" in only else 0)
+             + (len(trainer_grids.plan(world)) if "trainer" in only and world > 1 else 0)
              + (len(plan.coll_shapes) * 2 * len(collectives.OVERLAP_BYTES) if "overlap" in only and oversubscribed else 0))
 
     # per-rank memory the runtime itself takes (interpreter, torch, process group; CUDA context and
@@ -249,8 +272,10 @@ def main(argv=None) -> int:
         # ranks sharing cores: each collective is timed after a compute burst, less the burst
         "collectives_interleaved": oversubscribed,
     }
+    if args.add:
+        meta = merge_meta(results.meta(), meta, only)
     if rank == 0:
-        results.start(meta)
+        results.start(meta, tables=only if args.add else None)
     done = 0
 
     def tick(phase: str) -> None:
@@ -296,6 +321,11 @@ def main(argv=None) -> int:
                                          "seconds": r.seconds})
         tick("framework")
 
+    def on_trainer(r):
+        if rank == 0:
+            results.append("trainer", {k: getattr(r, k) for k in results.columns("trainer")})
+        tick(f"trainer {r.gx}x{r.gy}x{r.gz}x{r.gdata} {r.order}")
+
     def on_overlap(r):
         if rank == 0:
             results.append("overlap", {"collective": r.collective, "size": r.size, "stride": r.stride,
@@ -322,6 +352,10 @@ def main(argv=None) -> int:
     if "framework" in only:
         framework.run(device, dtype, mean_over_ranks, on_framework, plan.repeats, min_batch_s=batch_s, barrier=busy)
         phase_done("framework")
+    if "trainer" in only and world > 1:  # a grid of one is the framework part
+        trainer_grids.run(world, device, dtype, mean_over_ranks, on_trainer,
+                          **({"warmup": 2, "steps": 5} if args.quick else {}))
+        phase_done("trainer")
     if "collectives" in only:
         collectives.run(dist, world, local_world, plan.coll_bytes, dtype, device, world_max, gather, on_coll,
                         repeats=plan.repeats, min_batch_s=coll_batch_s, barrier=busy, interleave=oversubscribed)
@@ -337,8 +371,12 @@ def main(argv=None) -> int:
 
     dist.barrier()
     if rank == 0:
-        meta.update(loadavg_end=_loadavg(), status="complete", elapsed_s=round(time.time() - t_start, 1),
-                    phase_s=phase_s)
+        if args.add:
+            meta["added"].update(loadavg_end=_loadavg(), elapsed_s=round(time.time() - t_start, 1), phase_s=phase_s)
+            meta["status"] = "complete"
+        else:
+            meta.update(loadavg_end=_loadavg(), status="complete", elapsed_s=round(time.time() - t_start, 1),
+                        phase_s=phase_s)
         results.write_meta(meta)
     dist.destroy_process_group()
     return 0

@@ -1,4 +1,5 @@
 """Each microbenchmark really runs: unit checks in-process, then one tiny 2-rank calibration."""
+import json
 import subprocess
 import sys
 
@@ -72,7 +73,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     assert prof["compute"]["gemm"]["ceiling_tflops"]["value"] > 0
     assert prof["memory"]["bandwidth_gbs"] > 0 and prof["compute"]["kernel_overhead_us"]["value"] > 0
     for table, rows in (("gemm", 3 * 2**3), ("collectives", 3 * 5), ("attention", None), ("memory", None),
-                        ("framework", None)):
+                        ("framework", None), ("trainer", 8)):  # 2 models x every grid of 2 ranks
         lines = (res / f"{table}.csv").read_text().splitlines()
         assert len(lines) > 1 and (rows is None or len(lines) == 1 + rows), table
     assert "wrote" in p.stdout and "busbw" in p.stdout
@@ -84,6 +85,24 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     for tab in (prof["network"]["intra_node"]["table"], prof["compute"]["attention"]["table"]):
         assert (out.parent / tab["path"]).exists()
     assert "autograd" in prof["compute"]["kernel_overhead_us"]["source"]
+    assert "trainer's optimizer steps on 8 grids" in prof["corrections"]["source"]
+
+    # one part measured again on top of that run: the others are kept, the part keeps its own date
+    before = {t: (res / f"{t}.csv").read_text() for t in ("gemm", "collectives", "trainer")}
+    p = subprocess.run([sys.executable, "-m", "axoplan.cli", "calibrate", "--quick", "--out", str(out), "--results",
+                        str(res), "--models", "gpt-tiny", "--parts", "trainer"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (res / "gemm.csv").read_text() == before["gemm"]
+    assert (res / "collectives.csv").read_text() == before["collectives"]
+    assert (res / "trainer.csv").read_text() != before["trainer"]
+    assert len((res / "trainer.csv").read_text().splitlines()) == 1 + 8
+    meta = json.loads((res / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["added"]["parts"] == ["trainer"]
+    assert set(meta["part_dates"]) >= {"gemm", "collectives", "trainer"}
+    prof = yaml.safe_load(out.read_text())
+    assert "--parts trainer" in prof["corrections"]["source"] and "--parts" not in prof["compute"]["gemm"]["dim_half"]["source"]
+    assert prof["calibration"]["parts"]["trainer"] == meta["part_dates"]["trainer"] != meta["date"]
 
 
 def test_interleaved_collective_is_timed_less_its_compute_burst(monkeypatch):

@@ -25,6 +25,9 @@ def run(capsys, *args):
     (["--out", "p.yaml", "--from-results", "/nonexistent/dir"], "is not a folder"),
     (["--out", "p.yaml", "--emit-slurm", "2"], "needs --nproc"),
     (["--out", "p.yaml", "--emit-slurm", "0", "--nproc", "4"], "positive number of nodes"),
+    (["--out", "p.yaml", "--parts", "gemm,bogus"], "--parts takes a comma-separated list"),
+    (["--out", "p.yaml", "--parts", "trainer", "--results", "no-such-dir"], "holds none"),
+    (["--out", "p.yaml", "--parts", "trainer", "--from-results", "."], "goes with neither"),
 ])
 def test_user_errors_are_one_sentence_exit_2(capsys, tmp_path, monkeypatch, args, msg):
     monkeypatch.chdir(tmp_path)
@@ -66,3 +69,10 @@ def test_emit_slurm_script_is_valid_bash(capsys, tmp_path):
     assert "calibration.worker" in text and "--from-results" in text and "--quick" in text
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_parts_need_the_ranks_of_the_earlier_run(capsys, tmp_path):
+    write(tmp_path / "r")  # 4 ranks per node
+    code, _, err = run(capsys, "--out", str(tmp_path / "p.yaml"), "--parts", "trainer", "--results", str(tmp_path / "r"),
+                       "--nproc", "2")
+    assert code == 2 and "differs from the 4 ranks" in err and err.count("\n") == 1

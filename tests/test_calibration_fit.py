@@ -150,3 +150,91 @@ def test_overlap_efficiency_is_the_median_of_the_measurements(tmp_path):
     assert ov["value"] == pytest.approx(0.3) and "asynchronously" in ov["source"]
     # without overlap rows (GPUs, or a core per rank) the field is absent: the planner's default 1 holds
     assert "overlap_efficiency" not in profile_writer.build(write(tmp_path / "r2"), "s", "s.csv").profile["network"]
+
+
+def test_trainer_grids_cover_every_grid_and_placement_the_models_divide():
+    from axoplan.space import grid_problem
+    from calibration import trainer_grids as T
+
+    for m in T.MODELS:
+        model = T.calibration_model(*m)
+        g4 = T.grids(4, model)
+        # 4 ranks: 13 distinct grids and placements (as validate --all measures), none a grid of one
+        assert len(g4) == len(set(g4)) == 13
+        for gx, gy, gz, gd, order, mb in g4:
+            assert gx * gy * gz * gd == 4 and mb == T.global_batch(4) // (gd * gz)
+            assert grid_problem(model, gx, gy, gz, gd, T.global_batch(4), mb) is None
+        assert len(T.grids(64, model)) == T.MAX_GRIDS  # many ranks: an even spread, not all of them
+    assert T.grids(1, T.calibration_model(*T.MODELS[0])) == []
+
+
+def _trainer_rows(prof, world, true):
+    """Trainer steps made by the planner itself with known corrections."""
+    import numpy as np
+
+    from axoplan.costmodel.batch import evaluate
+    from axoplan.launch import ORDERS
+    from axoplan.space import Candidates
+    from axoplan.specs import Job
+    from calibration import trainer_grids as T
+
+    p = prof.with_corrections(**true)
+    rows = []
+    for m in T.MODELS:
+        model = T.calibration_model(*m)
+        gb = T.global_batch(world)
+        for gx, gy, gz, gd, order, mb in T.grids(world, model):
+            c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gd)), np.array([ORDERS.index(order)], dtype=np.int8),
+                           np.array([mb]), np.array([False]))
+            sec = float(evaluate(model, p, Job(world, gb, model.seq_len), c).batch_time[0])
+            rows.append(dict(zip(("layers", "hidden", "heads", "vocab", "seq"), m), global_batch=gb, micro_batch=mb,
+                             gx=gx, gy=gy, gz=gz, gdata=gd, order=order, seconds=sec))
+    return rows
+
+
+def test_trainer_steps_give_the_profile_known_corrections(tmp_path):
+    """Steps on every grid of 4 ranks, made with a per-call cost of 1 ms and overlap 0.6 the microbenchmarks
+    do not see: the writer fits both back into the profile's corrections (and nothing it need not)."""
+    rd = write(tmp_path / "r")
+    first = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    prof = profile_writer._load(first.profile, first.files())
+    true = {"collective_overhead_s": 1e-3, "overlap_efficiency": 0.6}
+    rng = random.Random(1)
+    for row in _trainer_rows(prof, 4, true):
+        rd.append("trainer", dict(row, seconds=row["seconds"] * (1 + rng.uniform(-0.02, 0.02))))  # timing noise
+    built = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    corr = built.profile["corrections"]
+    assert corr["collective_overhead_s"] == pytest.approx(1e-3, rel=0.1)
+    assert corr["overlap_efficiency"] == pytest.approx(0.6, abs=0.08)
+    # both found; timing noise may buy the criterion one more correction (here the per-kernel cost), no more
+    assert set(true) <= set(built.summary["trainer_params"]) and len(built.summary["trainer_params"]) <= 3
+    assert "26 grids and placements" in corr["source"] and built.summary["trainer_mape_after"] < 2.0
+    assert built.summary["trainer_mape_before"] > 10.0  # the microbenchmarks alone miss what the steps show
+    loaded = profile_writer._load(built.profile, built.files())
+    assert loaded.corrections.collective_overhead_s == pytest.approx(corr["collective_overhead_s"])
+    # without trainer rows the corrections stay the identity
+    assert "collective_overhead_s" not in first.profile["corrections"]
+
+
+def test_parts_measured_later_keep_their_own_date(tmp_path):
+    from calibration.worker import merge_meta
+
+    rd = write(tmp_path / "r")
+    old = rd.meta()
+    new = dict(old, date="2026-02-02T00:00:00Z", command="axoplan calibrate --parts trainer", loadavg_start=[1, 1, 1])
+    m = merge_meta(old, new, {"trainer"})
+    assert m["date"] == old["date"] and m["part_dates"]["trainer"] == "2026-02-02T00:00:00Z"
+    assert m["part_dates"]["gemm"] == old["date"] and "trainer" in m["measured"]
+    with pytest.raises(SystemExit, match="world"):
+        merge_meta(old, dict(new, world=8), {"trainer"})
+    with pytest.raises(SystemExit, match="no complete"):
+        merge_meta(dict(old, status="running"), new, {"trainer"})
+    m["status"] = "complete"
+    rd.write_meta(m)
+    built = profile_writer.build(rd, "s", "s_gemm.csv")
+    assert built.profile["calibration"]["parts"]["trainer"] == "2026-02-02T00:00:00Z"
+    assert built.profile["calibration"]["added"]["parts"] == ["trainer"]
+    assert profile_writer._load(built.profile, built.files()).name == "s"  # the schema takes it
+    # a part measured later names its own run in its sources
+    assert "2026-02-02" in profile_writer.part_tag(m, "trainer") and "--parts" in profile_writer.part_tag(m, "trainer")
+    assert "2026-02-02" not in profile_writer.part_tag(m, "gemm")

@@ -214,6 +214,15 @@ class Trainer:
         if self.grid.size > 1:
             dist.barrier()
 
+    def timed_step(self, step: int) -> tuple[dict, float]:
+        """One optimizer step between two synchronisations of every rank: the time per batch the trainer
+        reports (and calibration measures the same way)."""
+        self._sync()
+        t0 = time.perf_counter()
+        out = self.train_step(step)
+        self._sync()
+        return out, time.perf_counter() - t0
+
     def _emit(self, record: dict) -> None:
         if self.grid.rank != 0:
             return
@@ -230,11 +239,7 @@ class Trainer:
         if self.res.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.res.device)
         for step in range(steps):
-            self._sync()
-            t0 = time.perf_counter()
-            out = self.train_step(step)
-            self._sync()
-            dt = time.perf_counter() - t0
+            out, dt = self.timed_step(step)
             tflops = flops / dt / self.grid.size / 1e12
             rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "batch_time_s": dt,
                    "tokens_per_s": tokens / dt, "model_tflops_per_gpu": tflops,
