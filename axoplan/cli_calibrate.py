@@ -101,7 +101,9 @@ def _validate_written(built) -> None:
 def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False) -> None:
     s = built.summary
     if added:  # this command measured only the added parts: their loads and time are the ones to show
-        meta = {**meta, **meta.get("added", {})}
+        from calibration.profile_writer import added_runs
+
+        meta = {**meta, **(added_runs(meta) or [{}])[-1]}
     # the measurement's own ranks count in the load at the end: only load beyond them is other work
     cores = meta.get("cpu_count") or 1
     own = meta.get("world") or meta.get("ranks_per_node") or 0

@@ -86,6 +86,30 @@ class AttentionTable:
     shapes: dict  # (batch, heads, seq, head_dim) -> (forward s, backward s)
     path: str = ""
 
+    def seconds(self, batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float] | None:
+        """The measured shape itself; else, where the same (seq, head_dim) was measured with other batch
+        and head counts, interpolated in n = batch x heads: the kernel runs the n (sequence, head) pairs
+        as one batch of identical independent problems, so time follows n (log-log between measured n,
+        proportional to n beyond them). None where that sequence and head size were never measured."""
+        hit = self.shapes.get((batch, heads, seq, head_dim))
+        if hit:
+            return hit
+        pts = sorted((b * h, f, bw) for (b, h, s, d), (f, bw) in self.shapes.items() if s == seq and d == head_dim)
+        if not pts:
+            return None
+        by_n: dict = {}
+        for n0, f, bw in pts:  # shapes of equal n (4 x 2, 1 x 8) measured the same problem: geometric mean
+            by_n.setdefault(n0, []).append((f, bw))
+        ns = np.array(sorted(by_n), dtype=np.float64)
+        logs = np.array([[np.mean(np.log(np.maximum([v[i] for v in by_n[n0]], 1e-12))) for i in (0, 1)]
+                         for n0 in sorted(by_n)])
+        n = float(batch * heads)
+        if n <= ns[0] or n >= ns[-1]:
+            j = 0 if n <= ns[0] else -1
+            return tuple(float(np.exp(logs[j, i]) * n / ns[j]) for i in (0, 1))
+        x = np.log(n)
+        return tuple(float(np.exp(np.interp(x, np.log(ns), logs[:, i]))) for i in (0, 1))
+
 
 @dataclass(frozen=True)
 class MachineProfile:

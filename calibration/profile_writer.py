@@ -57,13 +57,19 @@ def run_tag(meta: dict) -> str:
             f"{meta['backend_version']}, {meta['world']} ranks{nodes}, {meta['dtype']}: `{meta['command']}`")
 
 
+def added_runs(meta: dict) -> list[dict]:
+    """The runs that measured parts again on top of this one (calibrate --parts), oldest first."""
+    added = meta.get("added") or []
+    return [added] if isinstance(added, dict) else list(added)
+
+
 def part_tag(meta: dict, part: str) -> str:
     """run_tag for one part: a part measured again later (calibrate --parts) names its own date and command."""
     date = (meta.get("part_dates") or {}).get(part, meta["date"])
-    added = meta.get("added") or {}
-    if date == meta["date"] or added.get("date") != date:
+    if date == meta["date"]:
         return run_tag(meta)
-    return run_tag({**meta, "date": date, "command": added.get("command", meta["command"])})
+    run = next((a for a in reversed(added_runs(meta)) if a.get("date") == date), {})
+    return run_tag({**meta, "date": date, "command": run.get("command", meta["command"])})
 
 
 def _r(x: float, digits: int = 4) -> float:
@@ -440,11 +446,13 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
     if meta.get("status") != "complete":
         raise CalibrationError(f"the calibration run in {results.path} did not finish")
     tag = run_tag(meta)
-    gemm, peak, table, s1 = gemm_part(results.rows("gemm"), tag, table_name, peak_from_ceiling=not meta.get("cuda"))
-    mem, overhead, s2 = memory_part(results.rows("memory"), meta, tag)
+    gemm, peak, table, s1 = gemm_part(results.rows("gemm"), part_tag(meta, "gemm"), table_name,
+                                      peak_from_ceiling=not meta.get("cuda"))
+    mem, overhead, s2 = memory_part(results.rows("memory"), meta, part_tag(meta, "memory"))
     attn_rows = results.rows("attention")
-    att, s3 = attention_part(attn_rows, tag, f"{name}_attention.csv")
-    net, fit_rows, s4, coll_rows = network_part(results.rows("collectives"), meta, tag, f"{name}_collectives.csv")
+    att, s3 = attention_part(attn_rows, part_tag(meta, "attention"), f"{name}_attention.csv")
+    net, fit_rows, s4, coll_rows = network_part(results.rows("collectives"), meta, part_tag(meta, "collectives"),
+                                                f"{name}_collectives.csv")
     nodes = meta.get("nodes", 1)
     profile = {
         "schema": SCHEMA,
@@ -482,7 +490,7 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
         eff = statistics.median(r["efficiency"] for r in ov_rows)
         kinds = sorted({r["collective"] for r in ov_rows})
         net["overlap_efficiency"] = {"value": _r(eff, 3), "source": (
-            f"{tag}; median over {len(ov_rows)} measurements ({', '.join(kinds)}, every group shape, "
+            f"{part_tag(meta, 'overlap')}; median over {len(ov_rows)} measurements ({', '.join(kinds)}, every group shape, "
             f"{', '.join(_human(b) for b in sorted({r['bytes'] for r in ov_rows}))}) of (burst + collective - "
             f"together) / min(burst, collective): a collective started asynchronously, a compute burst of "
             f"{statistics.median(r['burst_s'] for r in ov_rows) * 1e3:.2g} ms run beside it, all ranks at once "
@@ -491,7 +499,7 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
     fw_rows = results.rows("framework")
     if fw_rows:
         bare = {"us": overhead["value"], "ops": overhead["source"].split("(")[-1].split(")")[0]}
-        oh, eff, how, s5 = framework_part(fw_rows, profile, built.files(), tag, bare)
+        oh, eff, how, s5 = framework_part(fw_rows, profile, built.files(), part_tag(meta, "framework"), bare)
         profile["compute"]["kernel_overhead_us"] = oh
         mem = profile["memory"]
         mem["source"] += (f"; elementwise_efficiency {eff:g} replaces the isolated ops' {mem['elementwise_efficiency']:g}: "
@@ -506,9 +514,8 @@ def build(results: ResultsDir, name: str, table_name: str) -> Built:
     parts = meta.get("part_dates")
     if parts and len(set(parts.values())) > 1:
         profile["calibration"]["parts"] = dict(sorted(parts.items()))
-        added = meta.get("added") or {}
-        profile["calibration"]["added"] = {k: added[k] for k in ("date", "parts", "command", "loadavg_start",
-                                                                   "loadavg_end", "elapsed_s") if k in added}
+        keys = ("date", "parts", "command", "loadavg_start", "loadavg_end", "elapsed_s")
+        profile["calibration"]["added"] = [{k: a[k] for k in keys if k in a} for a in added_runs(meta)]
     return built
 
 

@@ -67,12 +67,19 @@ def make_plan(world: int, ranks_per_node: int, cuda: bool, quick: bool, models: 
             acts.add((t, mdl.hidden))
             acts.add((t, mdl.ffn))
     attn = set()
-    for mdl in models:
+    # the trainer part's own models too: its fit of the corrections should not rest on a fallback rate
+    from .trainer_grids import MODELS, calibration_model
+
+    for mdl in list(models) + [calibration_model(*m) for m in MODELS]:
         for gy in _divisors(mdl.n_heads):
             if gy > world:
                 continue
             for mb in ((1, 16) if quick else (1, 4, 16)) if not cuda else (1, 4):
                 attn.add((mb, mdl.n_heads // gy, mdl.seq_len, mdl.head_dim))
+    # and the framework part's (a grid of one, its own micro-batches): the same reason
+    from .framework import CONFIGS
+
+    attn |= {(mb, heads, seq, hidden // heads) for _, _, mb, hidden, heads, _, seq in CONFIGS}
     return Plan(shapes, group_shapes(world), sizes, bw, sorted(acts), sorted(attn),
                 gemm_repeats=3, repeats=3 if quick else 5, gemm_values=values)
 
@@ -130,9 +137,11 @@ def merge_meta(old: dict, new: dict, parts: set) -> dict:
     m = dict(old)
     dates = dict(old.get("part_dates") or {p: old["date"] for p in old.get("measured", [])})
     dates.update({p: new["date"] for p in parts})
+    earlier = old.get("added") or []
     m.update(status="running", part_dates=dates, measured=sorted(set(old.get("measured", [])) | set(parts)),
-             added={"date": new["date"], "parts": sorted(parts), "command": new["command"],
-                    "loadavg_start": new["loadavg_start"]})
+             added=([earlier] if isinstance(earlier, dict) else list(earlier))
+             + [{"date": new["date"], "parts": sorted(parts), "command": new["command"],
+                 "loadavg_start": new["loadavg_start"]}])
     return m
 
 
@@ -372,7 +381,7 @@ def main(argv=None) -> int:
     dist.barrier()
     if rank == 0:
         if args.add:
-            meta["added"].update(loadavg_end=_loadavg(), elapsed_s=round(time.time() - t_start, 1), phase_s=phase_s)
+            meta["added"][-1].update(loadavg_end=_loadavg(), elapsed_s=round(time.time() - t_start, 1), phase_s=phase_s)
             meta["status"] = "complete"
         else:
             meta.update(loadavg_end=_loadavg(), status="complete", elapsed_s=round(time.time() - t_start, 1),

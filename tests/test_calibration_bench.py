@@ -98,7 +98,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     assert (res / "trainer.csv").read_text() != before["trainer"]
     assert len((res / "trainer.csv").read_text().splitlines()) == 1 + 8
     meta = json.loads((res / "meta.json").read_text())
-    assert meta["status"] == "complete" and meta["added"]["parts"] == ["trainer"]
+    assert meta["status"] == "complete" and meta["added"][-1]["parts"] == ["trainer"]
     assert set(meta["part_dates"]) >= {"gemm", "collectives", "trainer"}
     prof = yaml.safe_load(out.read_text())
     assert "--parts trainer" in prof["corrections"]["source"] and "--parts" not in prof["compute"]["gemm"]["dim_half"]["source"]

@@ -233,8 +233,19 @@ def test_parts_measured_later_keep_their_own_date(tmp_path):
     rd.write_meta(m)
     built = profile_writer.build(rd, "s", "s_gemm.csv")
     assert built.profile["calibration"]["parts"]["trainer"] == "2026-02-02T00:00:00Z"
-    assert built.profile["calibration"]["added"]["parts"] == ["trainer"]
+    assert built.profile["calibration"]["added"][-1]["parts"] == ["trainer"]
     assert profile_writer._load(built.profile, built.files()).name == "s"  # the schema takes it
     # a part measured later names its own run in its sources
     assert "2026-02-02" in profile_writer.part_tag(m, "trainer") and "--parts" in profile_writer.part_tag(m, "trainer")
     assert "2026-02-02" not in profile_writer.part_tag(m, "gemm")
+    # a second part added later: each added part still names its own run
+    m2 = merge_meta(m, dict(new, date="2026-03-03T00:00:00Z", command="axoplan calibrate --parts attention"),
+                    {"attention"})
+    assert [a["parts"] for a in m2["added"]] == [["trainer"], ["attention"]]
+    assert "2026-02-02" in profile_writer.part_tag(m2, "trainer") and "--parts trainer" in profile_writer.part_tag(m2, "trainer")
+    assert "--parts attention" in profile_writer.part_tag(m2, "attention")
+    m2["status"] = "complete"
+    rd.write_meta(m2)
+    prof = profile_writer.build(rd, "s", "s_gemm.csv").profile
+    assert "--parts attention" in prof["compute"]["attention"]["source"]
+    assert "--parts" not in prof["compute"]["gemm"]["dim_half"]["source"]

@@ -85,9 +85,29 @@ def test_attention_table_taken_where_the_local_shape_was_measured(tmp_path):
     gy = np.array([1, 2])
     fwd, bwd = K.attention_seconds(prof, m, gy, 4, 64)
     assert fwd[1] == pytest.approx(0.002) and bwd[1] == pytest.approx(0.005)  # 8/2 = 4 heads: measured
+    # 8 heads of 4 sequences: twice the (sequence, head) pairs measured, beyond the table: twice the time
+    assert fwd[0] == pytest.approx(0.004) and bwd[0] == pytest.approx(0.010)
     plain = load_profile("dgx-h100")
-    f0, b0 = K.attention_seconds(plain, m, gy, 4, 64)
-    assert fwd[0] == pytest.approx(f0[0]) and bwd[0] == pytest.approx(b0[0])  # 8 heads: the rate
+    f0, b0 = K.attention_seconds(plain, m, gy, 4, 32)  # a sequence length never measured: the rate
+    f1, b1 = K.attention_seconds(prof, m, gy, 4, 32)
+    assert np.allclose(f0, f1) and np.allclose(b0, b1)
+
+
+def test_attention_interpolated_over_batch_times_heads(tmp_path):
+    """Between measured batch x heads counts: log-log; equal counts (4 x 2, 1 x 8) averaged geometrically."""
+    rows = [(1, 2, 64, 8, "true", "forward", 1e-3), (1, 2, 64, 8, "true", "forward_backward", 4e-3),
+            (4, 2, 64, 8, "true", "forward", 2e-3), (4, 2, 64, 8, "true", "forward_backward", 8e-3),
+            (1, 8, 64, 8, "true", "forward", 8e-3), (1, 8, 64, 8, "true", "forward_backward", 32e-3),
+            (16, 2, 64, 8, "true", "forward", 16e-3), (16, 2, 64, 8, "true", "forward_backward", 64e-3)]
+    prof = _profile(tmp_path, attn_rows=rows)
+    tab = prof.attn_table
+    f8 = np.sqrt(2e-3 * 8e-3)  # n = 8 measured twice: 4 x 2 and 1 x 8
+    assert tab.seconds(2, 4, 64, 8)[0] == pytest.approx(f8)
+    assert tab.seconds(4, 2, 64, 8) == pytest.approx((2e-3, 6e-3))  # measured: as measured
+    n = 16  # between n = 8 and n = 32, log-log
+    assert tab.seconds(8, 2, 64, 8)[0] == pytest.approx(np.exp(np.interp(np.log(n), np.log([8, 32]), np.log([f8, 16e-3]))))
+    assert tab.seconds(1, 1, 64, 8)[0] == pytest.approx(0.5e-3)  # below the table: proportional to n
+    assert tab.seconds(2, 2, 32, 8) is None and tab.seconds(2, 2, 64, 16) is None
 
 
 def test_gemm_scale_applies_to_measured_attention(tmp_path):

@@ -46,8 +46,9 @@ def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuni
 
 
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of the local attention over n_heads/gy heads: the measured time
-    where the profile's attention table has the local shape, else its FLOP at the profile's rate."""
+    """(forward, backward) seconds of the local attention over n_heads/gy heads: from the profile's
+    attention table where it measured the local sequence and head size (the shape itself, or
+    interpolated over batch x heads: AttentionTable.seconds), else its FLOP at the profile's rate."""
     heads = model.n_heads // np.asarray(gy)
     flop = 4.0 * micro_batch * seq_len * seq_len * model.head_dim * heads
     if profile.attn_causal_skip:
@@ -60,7 +61,7 @@ def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch
         mb_b, h_b = np.broadcast_arrays(np.asarray(micro_batch), heads)
         fwd, bwd = np.array(np.broadcast_to(fwd, mb_b.shape), float), np.array(np.broadcast_to(bwd, mb_b.shape), float)
         for b, h in set(zip(mb_b.ravel().tolist(), h_b.ravel().tolist())):
-            hit = tab.shapes.get((int(b), int(h), int(seq_len), model.head_dim))
+            hit = tab.seconds(int(b), int(h), int(seq_len), model.head_dim)
             if hit:
                 m = (mb_b == b) & (h_b == h)
                 fwd[m], bwd[m] = hit[0] / scale, hit[1] / scale
