@@ -13,7 +13,7 @@ from axoplan.errors import UserError
 from axoplan.machine import load_profile, profile_from_dict, profile_names
 
 ROOT = Path(__file__).resolve().parent.parent
-BUNDLED = ("perlmutter", "frontier", "alps", "dgx-h100", "dgx-h200")
+BUNDLED = ("perlmutter", "frontier", "alps", "dgx-h100", "dgx-h200", "dgx-a100")
 GB = 1e9
 
 # The authors' table lives in the shared reference folder next to the repository; the same rows are
