@@ -1,0 +1,363 @@
+"""Predicted vs published GPU training runs: every published run axoplan's space expresses.
+
+Each row of the tables in benchmarks/data/ (copied verbatim from their sources; the first lines of each
+file name the source) is mapped to the grid, micro-batch, checkpointing and sequence length it ran with,
+predicted with axoplan's public API (`axoplan.explain` on that one grid) on the bundled profile of its
+machine (benchmarks/data/machines.yaml, with the machine's own memory facts where they differ), and
+compared with what the source measured. Nothing is fitted to the published numbers.
+
+Mapping to the 4D space (gx, gy, gz, gdata):
+- PyTorch FSDP FULL_SHARD / ZeRO-3 over N GPUs: the Z axis, (1, 1, N, 1); SHARD_GRAD_OP (ZeRO-2) too (Z
+  gathers weights once more in backward than ZeRO-2 does; the gathers overlap, so the time differs little).
+- 1D tensor parallelism (Megatron TP, torchtitan TP) of size t: the Y axis, gx = 1, gy = t; FSDP beside it is
+  Z; data parallelism (DDP, Megatron DP, ZeRO-1) is D.
+- Selective activation recomputation (Megatron, torchtitan) is not in the space: mapped to checkpointing off
+  (it recomputes only cheap ops), and marked "~sel" in the rows.
+- Micro-batch a source does not state: the model's fastest feasible choice for the grid; unstated recompute in
+  Megatron-Core: its default, none (--recompute-granularity unset).
+Left out (listed with --excluded, counted always): pipeline parallelism, fp8, torch.compile (fused kernels the
+model does not describe), context parallelism, asynchronous TP, rows with no time, fp16.
+
+Measured time per iteration: the source's own when it gives one; else global batch x sequence / tokens per
+second; else (Megatron-Core TFLOP/s) Megatron's model-FLOP count 72·B·s·L·h²·(1 + s/6h + V/12hL) / (TFLOP/s x
+GPUs) (megatron/training/training.py num_floating_point_operations for a GPT with ffn 4h and no GQA).
+Errors are |predicted/measured - 1| of time per iteration; Kendall tau ranks tokens/s/GPU, predicted vs
+measured, within one model on one machine (groups of 3 or more runs), averaged over the groups.
+
+    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+from scipy.stats import kendalltau
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from axoplan.errors import UserError
+from axoplan.machine import GB, GIB, load_profile
+from axoplan.rank import explain
+from axoplan.specs import ModelSpec, load_model
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@dataclass
+class Run:
+    dataset: str
+    source: str  # file name in benchmarks/data
+    label: str
+    model: ModelSpec
+    gpus: int
+    global_batch: int
+    seq_len: int
+    grid: tuple  # gx, gy, gz, gdata
+    order: str
+    micro_batch: int | None
+    checkpointing: bool | None
+    measured_s: float
+    group: str  # one model on one machine: the Kendall tau group
+    notes: list = field(default_factory=list)
+
+
+def read_table(name: str) -> list[dict]:
+    """Rows of a data file; its leading '#' lines are the source and are skipped."""
+    lines = (DATA / name).read_text().splitlines()
+    body = [ln for i, ln in enumerate(lines) if not (ln.startswith("#") and all(x.startswith("#") for x in lines[:i]))]
+    return list(csv.DictReader(body))
+
+
+def _f(x: str) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _gpt(name, layers, hidden, heads, vocab, seq, vocab_multiple=128) -> ModelSpec:
+    return ModelSpec(name=name, n_layers=int(float(layers)), hidden=int(hidden), n_heads=int(float(heads)),
+                     vocab=int(vocab), seq_len=int(seq), vocab_multiple=vocab_multiple)
+
+
+# ---- one loader per source: (runs, excluded [(source, label, reason)]) -----------------------------------
+def llmfoundry():
+    src = "llmfoundry_mpt_fsdp_throughput.csv"
+    runs, out = [], []
+    for r in read_table(src):
+        label = f"{r['model']} s{r['seq_len']} {r['gpus']}gpu mb{r['micro_batch']}"
+        if "fp8" in r["precision"]:
+            out.append((src, label, "fp8 (amp_fp8): the model is bf16"))
+            continue
+        m = r["machine"]
+        ds = ("llmfoundry-a100-40gb" if "A100-40GB" in m else "llmfoundry-a100-80gb" if "A100-80GB" in m
+              else "llmfoundry-h100")
+        n = int(r["gpus"])
+        # MPT: GeLU MLP x4, LayerNorm, ALiBi (no position table; 'learned' adds only an embedding), vocab 50368
+        model = _gpt(r["model"].lower(), r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq_len"], vocab_multiple=64)
+        notes = ["ZeRO-2 as Z"] if r["sharding"] == "SHARD_GRAD_OP" else []
+        runs.append(Run(ds, src, label, model, n, int(r["global_batch"]), int(r["seq_len"]), (1, 1, n, 1), "xyz",
+                        int(r["micro_batch"]), r["activation_checkpointing"] == "True",
+                        float(r["time_per_iteration_s_derived"]), f"{ds}:{r['model']}", notes))
+    return runs, out
+
+
+def torchtitan():
+    src = "torchtitan_llama3_h100_h200.csv"
+    runs, out = [], []
+    for r in read_table(src):
+        t = r["technique"]
+        label = f"{r['table']} {r['model']} {r['gpus']}gpu {t}"
+        reason = None
+        if int(r["pp"]) > 1:
+            reason = "pipeline parallel"
+        elif "loat8" in t:
+            reason = "fp8 (Float8)"
+        elif int(r["cp"]) > 1 or "CP" in t:
+            reason = "context parallel: the space does not split the sequence"
+        elif "compile" in t:
+            reason = "torch.compile: fused kernels the model does not describe (eager only)"
+        elif "AsyncTP" in t:
+            reason = "asynchronous TP (decomposed, overlapped TP collectives): the model's TP all-reduces block"
+        if reason:
+            out.append((src, label, reason))
+            continue
+        seq, gpus, tp, fsdp = int(r["seq_len"]), int(r["gpus"]), int(r["tp"]), int(r["fsdp"])
+        preset = {"Llama-3.1-8B": "llama3-8b", "Llama-3.1-70B": "llama3-70b"}[r["model"]]
+        model = dataclasses.replace(load_model(preset), seq_len=seq)
+        ac = r["activation_checkpointing"]
+        notes = ["~sel"] if "selective" in ac else []
+        gb = int(r["global_batch"])
+        meas = gb * seq / (float(r["measured"]) * gpus)
+        runs.append(Run("torchtitan-h100", src, label, model, gpus, gb, seq, (1, tp, fsdp, 1), "yzx",
+                        int(r["local_batch"]), ac == "full", meas, f"torchtitan-h100:{r['model']}", notes))
+    if not any("H200" in r["machine"] or "H200" in r["table"] for r in read_table(src)
+               if "loat8" not in r["technique"]):
+        out.append((src, "H200 (Trainy/WhiteFiber) rows", "every H200 row is fp8 + torch.compile: no bf16 H200 run"))
+    return runs, out
+
+
+def megatron_core():
+    src = "megatron_core_h100_readme_scaling.csv"
+    runs, out = [], []
+    for r in read_table(src):
+        label = f"{r['dataset']} {r['model']} {r['gpus']}gpu tp{r['tp']} pp{r['pp']}"
+        if int(r["pp"]) > 1:
+            out.append((src, label, "pipeline parallel"))
+            continue
+        L, h, s, V = int(r["layers"]), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"])
+        B, gpus = int(r["global_batch"]), int(r["gpus"])
+        flop = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+        meas = flop / (float(r["measured"]) * 1e12 * gpus)
+        model = _gpt(r["model"].lower(), L, h, r["heads"], V, s)
+        runs.append(Run("megatron-core-h100", src, label, model, gpus, B, s, (1, int(r["tp"]), 1, int(r["dp"])), "yzx",
+                        None, False, meas, f"megatron-core-h100:{r['model']}", ["mb unstated"]))
+    return runs, out
+
+
+def korthikanti():
+    src = "korthikanti2022_table5_iteration_time_a100.csv"
+    runs, out = [], []
+    for r in read_table(src):
+        label = f"{r['model']} tp{r['tp']} pp{r['pp']} {r['mode'][:30]}"
+        if int(r["pp"]) > 1:
+            out.append((src, label, "pipeline parallel"))
+            continue
+        full = r["mode"].startswith("full")
+        model = _gpt(r["model"].lower(), r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq_len"])
+        runs.append(Run("korthikanti-selene", src, label, model, int(r["gpus"]), int(r["global_batch"]),
+                        int(r["seq_len"]), (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]), full,
+                        float(r["time_per_iteration"]), f"korthikanti-selene:{r['model']}",
+                        [] if full else ["~sel", "SP"]))
+    return runs, out
+
+
+def bloom():
+    src = "bloom_tr11_topology_search_jeanzay_a100.csv"
+    runs, out = [], []
+    for r in read_table(src):
+        label = f"{r['model']} L{r['layers']} tp{r['tp']} pp{r['pp']} dp{r['dp']} mb{r['micro_batch']} {r['date_2022']}"
+        t = _f(r["time_per_iteration"])
+        if int(r["pp"]) > 1:
+            reason = "pipeline parallel"
+        elif r["status"] != "ok":
+            reason = f"status {r['status']} (no time): memory check only"
+        elif t is None:
+            reason = "no time per iteration in the source"
+        elif "fp16" in r["framework"]:
+            reason = "fp16 with checkpointing not stated"
+        elif not _f(r["layers"]) or not _f(r["heads"]):
+            reason = "layers or heads not recorded"
+        else:
+            # the logged TFLOP/s (Megatron-DeepSpeed, recompute counted) must match the time at this batch
+            L, h, s, V, B = int(float(r["layers"])), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"]), int(r["global_batch"])
+            flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / int(r["gpus"])
+            k = flop / (t * 1e12) / float(r["tflops_per_gpu_reported"])
+            reason = (None if 2 / 3 < k < 1.5 else
+                      f"time and the row's own TFLOP/s disagree {k:.1f}x at global batch {B}: batch not reliable")
+        if reason:
+            out.append((src, label, reason))
+            continue
+        model = _gpt(f"bloom-{r['params_b']}b-L{int(float(r['layers']))}", r["layers"], r["hidden"], r["heads"],
+                     r["vocab"], r["seq_len"])
+        runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
+                        (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
+                        "full activation checkpointing" in r["framework"], t, f"bloom-jeanzay:{r['model']}", []))
+    return runs, out
+
+
+LOADERS = [llmfoundry, torchtitan, megatron_core, korthikanti, bloom]
+
+
+def machine_profiles() -> dict:
+    """Profile per dataset, with the published machine's own memory facts where they differ."""
+    spec = yaml.safe_load((DATA / "machines.yaml").read_text())
+    out = {}
+    for ds, d in spec.items():
+        p = load_profile(d["profile"])
+        kw = {}
+        if "capacity_gib" in d:
+            kw["mem_capacity"] = d["capacity_gib"]["value"] * GIB
+        if "headroom_gib" in d:
+            kw["mem_headroom"] = d["headroom_gib"]["value"] * GIB
+        if "bandwidth_gbs" in d:
+            kw["mem_bandwidth"] = d["bandwidth_gbs"]["value"] * GB
+        out[ds] = p.replace(**kw) if kw else p
+    return out
+
+
+def predict(run: Run, profile) -> dict:
+    try:
+        e = explain(run.model, profile, run.gpus, run.global_batch, grid=run.grid, order=run.order,
+                    seq_len=run.seq_len, micro_batch=run.micro_batch, checkpointing=run.checkpointing)
+    except UserError as err:
+        return {"error": str(err)}
+    s = e.summary.iloc[0]
+    pred = float(s["batch_time_s"])
+    return {"predicted_s": pred, "ratio": pred / run.measured_s, "feasible": bool(s["feasible"]),
+            "memory_gib": float(s["memory_gib"]), "micro_batch": int(s["micro_batch"]),
+            "checkpointing": bool(s["checkpointing"]), "exposed_share": float(s["exposed_comm_s"]) / pred,
+            "pred_pct_peak": float(s["pct_of_peak"]),
+            # the same FLOP accounting at the measured time
+            "meas_pct_peak": float(s["pct_of_peak"]) * pred / run.measured_s,
+            "tokens_per_gpu_pred": run.global_batch * run.seq_len / (pred * run.gpus),
+            "tokens_per_gpu_meas": run.global_batch * run.seq_len / (run.measured_s * run.gpus)}
+
+
+def summarise(rows: list[dict]) -> dict:
+    ok = [r for r in rows if "ratio" in r]
+    ratio = np.array([r["ratio"] for r in ok])
+    err = np.abs(ratio - 1)
+    taus = []
+    for g in sorted({r["group"] for r in ok}):
+        grp = [r for r in ok if r["group"] == g]
+        if len(grp) >= 3:
+            tau = kendalltau([r["tokens_per_gpu_pred"] for r in grp], [r["tokens_per_gpu_meas"] for r in grp]).statistic
+            if np.isfinite(tau):
+                taus.append(float(tau))
+    return {"rows": len(ok), "errors": len(rows) - len(ok),
+            "mean_err_pct": float(100 * err.mean()) if len(ok) else None,
+            "max_err_pct": float(100 * err.max()) if len(ok) else None,
+            "median_ratio": float(np.median(ratio)) if len(ok) else None,
+            "kendall_tau": float(np.mean(taus)) if taus else None, "tau_groups": len(taus),
+            "infeasible_that_ran": sum(not r["feasible"] for r in ok),
+            "median_pred_pct_peak": float(np.median([r["pred_pct_peak"] for r in ok])) if ok else None,
+            "median_meas_pct_peak": float(np.median([r["meas_pct_peak"] for r in ok])) if ok else None,
+            "median_exposed_share": float(np.median([r["exposed_share"] for r in ok])) if ok else None}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=DATA, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", choices=["table", "json"], default="table")
+    ap.add_argument("--excluded", action="store_true", help="list every row left out, with its reason")
+    ap.add_argument("--worst", type=int, default=3, help="worst rows shown per dataset")
+    args = ap.parse_args(argv)
+
+    profiles = machine_profiles()
+    runs, excluded = [], []
+    for load in LOADERS:
+        r, x = load()
+        runs += r
+        excluded += x
+    rows = []
+    for run in runs:
+        p = predict(run, profiles[run.dataset])
+        rows.append({"dataset": run.dataset, "source": run.source, "label": run.label, "group": run.group,
+                     "grid": "x".join(map(str, run.grid)), "seq_len": run.seq_len, "global_batch": run.global_batch,
+                     "measured_s": run.measured_s, "notes": run.notes, **p})
+    datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
+    summary = {ds: summarise([r for r in rows if r["dataset"] == ds]) for ds in datasets}
+    for ds in datasets:
+        ok = [r for r in rows if r["dataset"] == ds and "ratio" in r]
+        summary[ds]["profile"] = profiles[ds].name
+        summary[ds]["worst"] = sorted(ok, key=lambda r: -abs(np.log(r["ratio"])))[:args.worst]
+    allok = [r for r in rows if "ratio" in r]
+    meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
+
+    if args.format == "json":
+        json.dump({**meta, "datasets": summary, "overall": summarise(allok),
+                   "excluded": [{"source": s, "label": lab, "reason": why} for s, lab, why in excluded],
+                   "rows": rows}, sys.stdout, indent=1, default=str)
+        print()
+        return 0
+
+    def pct(x):
+        return "-" if x is None else f"{x:.0f}%"
+
+    print(f"published GPU runs vs axoplan, {meta['date']}, commit {meta['commit']}: time per iteration, "
+          f"error = |pred/meas - 1|, tau over tokens/s/GPU within one model on one machine")
+    hdr = (f"{'dataset':22} {'profile':9} {'rows':>4} {'mean err':>8} {'max err':>8} {'med p/m':>8} {'tau (grp)':>10} "
+           f"{'OOM-ran':>7} {'%pk pred':>8} {'%pk meas':>8} {'exposed':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for ds in datasets + ["overall"]:
+        s = summary[ds] if ds != "overall" else summarise(allok)
+        tau = "-" if s["kendall_tau"] is None else f"{s['kendall_tau']:+.2f} ({s['tau_groups']})"
+        print(f"{ds:22} {s.get('profile', ''):9} {s['rows']:4d} {pct(s['mean_err_pct']):>8} {pct(s['max_err_pct']):>8} "
+              f"{s['median_ratio']:8.2f} {tau:>10} {s['infeasible_that_ran']:7d} {s['median_pred_pct_peak']:8.1f} "
+              f"{s['median_meas_pct_peak']:8.1f} {pct(100 * s['median_exposed_share']):>7}")
+    print("\n(%pk: model FLOP per GPU, the planner's accounting, over peak, at the predicted and at the measured time; "
+          "exposed: median share of predicted time that is exposed communication; OOM-ran: runs the model calls out of "
+          "memory)")
+    print("\nworst rows (measured s, predicted s, pred/meas; grid gx x gy x gz x gdata, mb, ckpt as predicted):")
+    for ds in datasets:
+        for r in summary[ds]["worst"]:
+            flags = " ".join(r["notes"] + ([] if r["feasible"] else ["OOM-in-model"]))
+            print(f"  {ds:22} {r['label'][:44]:44} {r['grid']:>12} mb{r['micro_batch']:<3} "
+                  f"{'ck' if r['checkpointing'] else '  '} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
+                  f"{r['ratio']:5.2f} {flags}")
+    errs = [r for r in rows if "error" in r]
+    for r in errs:
+        print(f"  not predicted: {r['dataset']} {r['label']}: {r['error']}")
+    by = {}
+    for s, _, why in excluded:
+        by.setdefault((s, why), 0)
+        by[(s, why)] += 1
+    print(f"\nleft out: {len(excluded)} rows")
+    for (s, why), n in sorted(by.items()):
+        print(f"  {n:4d}  {s}: {why}")
+    if args.excluded:
+        for s, lab, why in excluded:
+            print(f"    {s}: {lab}: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
