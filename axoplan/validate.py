@@ -12,7 +12,6 @@ Torch is never imported here: candidates run as `bash launch_torchrun.sh` in the
 """
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -22,27 +21,48 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
 
-from .atomic import append_line, atomic_write_text
+from . import validate_proc as P
+from .atomic import atomic_write_text
 from .errors import UserError
-from .launch import (CONFIG_NAME, TORCHRUN_NAME, _directive_safe, _env_lines, config_from_row, is_cpu_profile,
-                     launch_env, nodes_for, slurm_time, write_run_dir)
+from .launch import (
+    CONFIG_NAME,
+    TORCHRUN_NAME,
+    _directive_safe,
+    _env_lines,
+    config_from_row,
+    is_cpu_profile,
+    launch_env,
+    nodes_for,
+    slurm_time,
+    write_run_dir,
+)
 from .rank import COLUMNS
+from .validate_files import (
+    FINAL_STATUSES,
+    INFRA,
+    RESULT_COLUMNS,
+    STATUSES,
+    append_result,
+    read_plan,
+    read_results,
+    read_sweep_json,
+)
+from .validate_files import csv_line as _csv_line
+from .validate_files import header as _header
+from .validate_proc import kill_tree
 
-STATUSES = ("ok", "oom", "failed", "timeout")
-JOB_COLUMNS = ["candidate", "model", "machine", "gpus", "global_batch", "seq_len"]
-RESULT_COLUMNS = JOB_COLUMNS + COLUMNS + ["measured_time_s", "status", "error", "steps", "warmup_steps", "wall_s",
-                                          "repeat"]
 SWEEP_FILE, PLAN_FILE, RESULTS_FILE, SUMMARY_FILE, PLOT_FILE = (
     "sweep.json", "plan.csv", "results.csv", "summary.json", "ranking.png")
 ARRAY_FILE = "validate_array.sbatch"
 LOG_NAME = "run.log"
+LOCK_FILE = P.LOCK_FILE
 
 
 @dataclass
@@ -63,7 +83,7 @@ class Sweep:
     checkpointing: str = "both"
     repeats: int = 1  # passes over the candidates, round robin; a candidate's time is the median
 
-    def check(self) -> "Sweep":
+    def check(self) -> Sweep:
         if self.repeats < 1:
             raise UserError(f"--repeats must be a positive integer, got {self.repeats}")
         if self.top_k is not None and self.top_k <= 0:
@@ -73,8 +93,14 @@ class Sweep:
                             f"the median is taken over the steps after warm-up")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup must be >= 0, got {self.warmup_steps}")
-        if self.timeout_s <= 0:
-            raise UserError(f"--timeout must be positive, got {self.timeout_s}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= 7 * 86400:
+            raise UserError(f"--timeout must be a number of seconds above 0 and at most a week (604800), "
+                            f"got {self.timeout_s}")
+        if self.steps > 10**7:
+            raise UserError(f"--steps must be at most 10000000, got {self.steps}")
+        if self.repeats > 1000:
+            raise UserError(f"--repeats must be at most 1000, got {self.repeats}")
         return self
 
 
@@ -117,8 +143,15 @@ class RunResult:
 
 
 _OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory|Signal 9 \(SIGKILL\)|"
-                  r"exitcode\s*:\s*-9\b", re.I)
-_TIME_LIMIT = re.compile(r"DUE TO TIME LIMIT", re.I)
+                  r"exitcode\s*:\s*-9\b", re.IGNORECASE)
+_TIME_LIMIT = re.compile(r"DUE TO TIME LIMIT", re.IGNORECASE)
+# failures that are not the candidate's: the disk, the file system, the launcher, a signal from outside
+# (SIGTERM, SIGHUP, SIGINT; SIGKILL of a worker stays oom: the kernel's OOM killer sends it)
+_INFRA = re.compile(r"No space left on device|Errno 28\b|Disk quota exceeded|Errno 122\b|Read-only file system|"
+                    r"Errno 30\b|Address already in use|EADDRINUSE|No module named '?torch|"
+                    r"got signal: (1|2|15)\b|Signal (1|2|15) \(SIG(HUP|INT|TERM)\)|"
+                    r"exitcode\s*:\s*-(1|2|15)\b|command not found|Permission denied", re.IGNORECASE)
+_TRAILER = "# axoplan validate:"  # the line the sweep appends to run.log after a run
 
 
 def parse_log(text: str) -> RunResult:
@@ -138,16 +171,19 @@ def parse_log(text: str) -> RunResult:
         return RunResult(float(summary["median_batch_time_s"]), "ok", "", 0.0, summary)
     if _TIME_LIMIT.search(text):
         return RunResult(None, "timeout", "the scheduler stopped it at its time limit", 0.0)
+    m = _INFRA.search(text)
+    if m:
+        return RunResult(None, INFRA, f"not the candidate's failure ({m.group(0)}): {error_line(text)}", 0.0)
     status = "oom" if _OOM.search(text) else "failed"
     return RunResult(None, status, error_line(text), 0.0)
 
 
 def error_line(text: str, limit: int = 300) -> str:
     """The most telling line of a failed run's output, one line."""
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.startswith(_TRAILER)]
     pick = None
     for pat in (r"^error: ", r"(Error|Exception)\b.*:", r"error", r"Signal \d+"):
-        hits = [l for l in lines if re.search(pat, l, re.I)]
+        hits = [l for l in lines if re.search(pat, l, re.IGNORECASE)]
         if hits:
             pick = hits[-1] if pat != r"^error: " else hits[0]
             break
@@ -157,185 +193,101 @@ def error_line(text: str, limit: int = 300) -> str:
     return pick if len(pick) <= limit else pick[:limit - 3] + "..."
 
 
-def _proc_start(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time
-    except (OSError, IndexError):
-        return None
-
-
-def _descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, start time) of every process below root. torchrun starts its workers in new sessions,
-    so killing our process group alone could leave them running: they are found by parent links."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(e))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            st = _proc_start(c)
-            if st is not None:
-                out.append((c, st))
-                todo.append(c)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a run started with start_new_session=True: SIGTERM to its group (torchrun forwards it to
-    its workers), then SIGKILL to whatever of the tree is left."""
-    tree = _descendants(proc.pid)
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if sig == signal.SIGKILL:
-            for pid, st in tree:
-                if _proc_start(pid) == st:  # the same process, not a reused pid
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGTERM and not any(_proc_start(p) == st for p, st in tree):
-                return
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def default_launcher(run_dir: Path, gpus: int) -> tuple[list[str], dict]:
     """The emitted torchrun script itself, on this one node with all ranks here."""
     env = {"NNODES": "1", "NPROC_PER_NODE": str(gpus), "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
     return ["bash", str(run_dir / TORCHRUN_NAME)], env
 
 
+def _infra(msg: str, wall: float = 0.0) -> RunResult:
+    return RunResult(None, INFRA, msg, wall)
+
+
+def no_space(folder: Path) -> str | None:
+    """Why folder cannot take writes now (disk full, read-only, quota), or None: a run that failed with
+    no room for its output did not fail by itself."""
+    probe = folder / f".axoplan-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return (e.strerror or str(e)).lower()
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
+
+
 def run_one(run_dir: Path, gpus: int, timeout_s: float,
             launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher) -> RunResult:
-    """Run one candidate, its output in run_dir/run.log; a run past timeout_s is killed (whole tree)."""
+    """Run one candidate, its output in run_dir/run.log; a run past timeout_s is killed (whole tree).
+    A failure of what runs it (run.log not writable, disk full, the launcher not starting, a signal
+    from outside) is status infra: not the candidate's result."""
     argv, extra = launcher(run_dir, gpus)
-    env = dict(os.environ, **extra)
+    env = dict(os.environ, **extra, **P.marker_env())
     log_path = run_dir / LOG_NAME
+    lock = P.active()
     t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        log = open(log_path, "wb")  # noqa: SIM115 (closed by the with below; an open failure is infra)
+    except OSError as e:
+        return _infra(f"cannot write {LOG_NAME}: {(e.strerror or str(e)).lower()}")
+    with log:
+        try:
+            proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            return _infra(f"the launcher could not start ({argv[0]}): {(e.strerror or str(e)).lower()}")
+        if lock is not None:
+            lock.started(proc.pid, run_dir.name)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            kill_tree(proc)
+            kill_tree(proc, folder=lock.folder.resolve() if lock else None)
             wall = time.monotonic() - t0
             return RunResult(None, "timeout", f"no result after {timeout_s:.0f} s; killed", wall)
         except BaseException:  # Ctrl-C: leave nothing running behind us
-            kill_tree(proc, grace_s=3.0)
+            kill_tree(proc, grace_s=3.0, folder=lock.folder.resolve() if lock else None)
             raise
-    wall = time.monotonic() - t0
-    text = log_path.read_text(errors="replace")
+        finally:
+            if lock is not None:
+                lock.finished()
+        wall = time.monotonic() - t0
+        try:  # the log must take our own line too: a run whose output did not fit was not its own failure
+            log.write(f"\n{_TRAILER} exit code {rc} after {wall:.1f} s\n".encode())
+            log.flush()
+            os.fsync(log.fileno())
+            log_error = None
+        except OSError as e:
+            log_error = (e.strerror or str(e)).lower()
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError as e:
+        return _infra(f"cannot read {LOG_NAME} back: {(e.strerror or str(e)).lower()}", wall)
     res = parse_log(text)
     res.wall_s = wall
     if res.status == "ok" and rc != 0:
-        res = RunResult(res.measured_time_s, "failed", f"exit code {rc} after its summary: {error_line(text)}", wall,
-                        res.summary)
-    elif res.status != "ok" and rc == 0:
+        return RunResult(res.measured_time_s, "failed", f"exit code {rc} after its summary: {error_line(text)}", wall,
+                         res.summary)
+    if res.status == "ok":
+        return res
+    if log_error is not None:
+        return _infra(f"cannot write {LOG_NAME}: {log_error}", wall)
+    if rc < 0:  # torchrun (exec'd by the script) itself was signalled, and not by us
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
+        return _infra(f"killed by {name} from outside the sweep", wall)
+    if rc in (126, 127):  # the shell could not run the launcher
+        return _infra(f"the launcher could not start (exit code {rc}): {error_line(text)}", wall)
+    full = no_space(run_dir)
+    if full is not None:
+        return _infra(f"the run folder cannot take writes ({full}): {res.error}", wall)
+    if rc == 0:
         res.error = "exited 0 without a summary line: " + res.error
     return res
-
-
-# ---- results.csv -------------------------------------------------------------------------------
-def _csv_line(values: list) -> str:
-    buf = io.StringIO()
-    # one record per physical line (newlines inside values become spaces), so a line cut short by a
-    # crash can never swallow the next record
-    csv.writer(buf, lineterminator="\n").writerow(
-        ["" if v is None or (isinstance(v, float) and math.isnan(v)) else " ".join(v.splitlines())
-         if isinstance(v, str) else v for v in values])
-    return buf.getvalue()
-
-
-def append_result(path: Path, row: dict) -> None:
-    """One finished run, appended and flushed: an interrupted sweep keeps every finished record."""
-    line = _csv_line([row.get(c) for c in RESULT_COLUMNS])
-    if not path.exists() or path.stat().st_size == 0:
-        append_line(path, _csv_line(RESULT_COLUMNS))
-    else:
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # a line cut short by a crash: end it, read_results drops it
-                line = "\n" + line
-    append_line(path, line)
-
-
-def read_results(path: str | Path, per_run: bool = False) -> pd.DataFrame:
-    """results.csv as a DataFrame, one row per candidate (per_run: one per run, i.e. per candidate and
-    repeat); a line cut short by a crash is dropped. A candidate measured in several repeats has the
-    median of its ok runs as measured_time_s (the spread in measured_spread: max/min - 1) and the
-    count in measured_runs."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UserError(f"cannot read results file '{p}': {e.strerror or e}") from None
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(next(csv.reader([line]), []))
-        except csv.Error:
-            rows.append([])
-    if not rows or not {"candidate", "gx", "measured_time_s", "status"} <= set(rows[0]):
-        raise UserError(f"'{p}' is not an axoplan validate results file (no header with candidate, gx, "
-                        f"measured_time_s, status)")
-    head = rows[0]
-    good = [r for r in rows[1:] if len(r) == len(head) and r[head.index("status")] in STATUSES]
-    df = pd.DataFrame(good, columns=head)
-    num = ["gpus", "global_batch", "seq_len", "rank", "gx", "gy", "gz", "gdata", "micro_batch", "batch_time_s",
-           "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak",
-           "measured_time_s", "steps", "warmup_steps", "wall_s"]
-    for c in num:
-        if c in df:
-            df[c] = pd.to_numeric(df[c].replace("", np.nan), errors="coerce")
-    for c in ("checkpointing", "feasible"):
-        if c in df:
-            df[c] = df[c].astype(str).str.lower().isin(("true", "1"))
-    # files written before repeats existed hold one run per candidate
-    df["repeat"] = pd.to_numeric(df["repeat"], errors="coerce").fillna(0).astype(int) if "repeat" in df else 0
-    # the last record of a run wins (a collect after a re-run)
-    df = df.drop_duplicates(subset=["candidate", "repeat"], keep="last").reset_index(drop=True)
-    return df if per_run else _per_candidate(df)
-
-
-def _header(path: Path) -> list[str]:
-    with open(path, newline="") as f:
-        return next(csv.reader(f), [])
-
-
-def _per_candidate(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per candidate, in first-run order: its first ok run (else its first run) with the
-    median measured time of its ok runs."""
-    rows = []
-    for _, g in runs.groupby("candidate", sort=False):
-        ok = g[(g["status"] == "ok") & g["measured_time_s"].notna()]
-        row = (ok if len(ok) else g).iloc[0].copy()
-        t = ok["measured_time_s"].to_numpy(float)
-        row["measured_time_s"] = float(np.median(t)) if len(t) else row["measured_time_s"]
-        row["measured_runs"] = len(t)
-        row["measured_spread"] = float(t.max() / t.min() - 1) if len(t) > 1 else np.nan
-        row["wall_s"] = float(pd.to_numeric(g["wall_s"], errors="coerce").sum())
-        rows.append(row)
-    if not rows:
-        return runs.assign(measured_runs=pd.Series(dtype=int), measured_spread=pd.Series(dtype=float))
-    return pd.DataFrame(rows).reset_index(drop=True)
 
 
 # ---- scoring -----------------------------------------------------------------------------------
@@ -344,9 +296,9 @@ def score(results: pd.DataFrame) -> dict:
     the runs that finished ok. Positions count among those runs, in predicted order."""
     from scipy import stats
 
-    counts = {s: int((results["status"] == s).sum()) for s in STATUSES}
+    counts = {s: int((results["status"] == s).sum()) for s in STATUSES if s != INFRA or (results["status"] == s).any()}
     ok = results[(results["status"] == "ok") & results["measured_time_s"].notna()].copy()
-    out: dict = {"candidates": int(len(results)), "ok": len(ok), "status_counts": counts}
+    out: dict = {"candidates": len(results), "ok": len(ok), "status_counts": counts}
     if len(ok) == 0:
         out["note"] = "no run finished ok: nothing to score"
         return out
@@ -389,11 +341,11 @@ def format_score(s: dict) -> str:
 
     lines = [f"runs: {s['ok']} ok of {s['candidates']} ({', '.join(f'{k} {v}' for k, v in s['status_counts'].items() if v)})",
              f"Kendall tau {f(s['kendall_tau'], '.3f')}   Spearman rho {f(s['spearman_rho'], '.3f')}",
-             f"measured best {s['measured_best']} ({s['measured_best_time_s']:.4g} s) is predicted #{s['measured_best_predicted_position']}"
-             f"  (top-1: {'yes' if s['best_in_top1'] else 'no'}, top-3: {'yes' if s['best_in_top3'] else 'no'})",
+             (f"measured best {s['measured_best']} ({s['measured_best_time_s']:.4g} s) is predicted #{s['measured_best_predicted_position']}"
+             f"  (top-1: {'yes' if s['best_in_top1'] else 'no'}, top-3: {'yes' if s['best_in_top3'] else 'no'})"),
              f"regret of the predicted best {s['predicted_best']}: {100 * s['regret']:.1f}%",
-             f"prediction error: mean {s['mean_abs_pct_error']:.1f}%, max {s['max_abs_pct_error']:.1f}% "
-             f"(median predicted/measured {s['median_pred_over_measured']:.3g})"]
+             (f"prediction error: mean {s['mean_abs_pct_error']:.1f}%, max {s['max_abs_pct_error']:.1f}% "
+             f"(median predicted/measured {s['median_pred_over_measured']:.3g})")]
     if s.get("note"):
         lines.append("note: " + s["note"])
     return "\n".join(lines)
@@ -456,44 +408,66 @@ def _sweep_title(sw: Sweep) -> str:
     return f"{sw.model} on {sw.gpus} x {Path(sw.machine).stem}, global batch {sw.global_batch}"
 
 
-def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
-    """Write (or, on resume, check) sweep.json, plan.csv and the run directories."""
-    from .machine import load_profile
-
+def _check_existing(sw: Sweep, out: Path, resume: bool, plan: pd.DataFrame) -> None:
+    """Refuse, before anything is written, a folder whose sweep this one must not overwrite or
+    cannot continue; every sweep file that cannot be read is named in one sentence."""
     sweep_path, plan_path, res_path = out / SWEEP_FILE, out / PLAN_FILE, out / RESULTS_FILE
-    mine = asdict(sw)
-    if sweep_path.exists():
-        try:
-            theirs = json.loads(sweep_path.read_text())
-            theirs.setdefault("repeats", 1)  # sweeps started before repeats existed
-        except (OSError, json.JSONDecodeError, AttributeError):
-            theirs = None
-        if not resume and res_path.exists() and res_path.stat().st_size > 0:
+    has_results = res_path.exists() and res_path.stat().st_size > 0
+    if not resume:
+        if has_results:
             raise UserError(f"'{out}' already holds a sweep's results: pass --resume to continue it, or choose "
                             f"another --out")
-        if resume and theirs != mine:
-            diff = sorted(k for k in mine if (theirs or {}).get(k) != mine[k])
+        return
+    if sweep_path.exists():
+        theirs = asdict(read_sweep_json(sweep_path, Sweep))
+        mine = asdict(sw)
+        if theirs != mine:
+            diff = sorted(k for k in mine if theirs.get(k) != mine[k])
             raise UserError(f"--resume: the sweep in '{out}' was started with other arguments "
-                            f"({', '.join(diff) or 'unreadable sweep.json'}); use the same ones or another --out")
-    plan = plan_candidates(sw)
-    if resume and plan_path.exists():
-        old = pd.read_csv(plan_path)
+                            f"({', '.join(diff)}); use the same ones or another --out")
+    if plan_path.exists():
+        old = read_plan(plan_path, need_rows=False)
         if list(old["candidate"]) != list(plan["candidate"]):
             raise UserError(f"--resume: the planner now ranks other candidates than the sweep in '{out}' "
                             f"(the profile or model changed); start a new sweep with another --out")
+    if has_results:
+        read_results(res_path, per_run=True)  # a file that is not results.csv stops us here, named
+
+
+def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
+    """Write sweep.json, plan.csv and the run directories (each file atomically)."""
+    from .machine import load_profile
+
     profile = load_profile(sw.machine)
     machine_ref = str(Path(profile.path).resolve()) if profile.path else sw.machine
-    atomic_write_text(sweep_path, json.dumps(mine, indent=1) + "\n")
-    atomic_write_text(plan_path, plan[["candidate"] + COLUMNS].to_csv(index=False))
-    recs = plan.to_dict("records")
-    for i, row in enumerate(recs):
-        cfg = config_from_row(row, sw.model, sw.global_batch, sw.seq_len, machine=machine_ref, steps=sw.steps,
-                              warmup_steps=sw.warmup_steps)
-        runner_up = recs[1] if i == 0 and len(recs) > 1 else recs[0] if i > 0 else None
-        write_run_dir(out / "runs" / row["candidate"], cfg, profile, row, runner_up,
-                      command=f"axoplan validate (candidate {i + 1} of {len(recs)})",
-                      candidates=plan.attrs.get("candidates"), feasible=plan.attrs.get("feasible"),
-                      slurm_time_s=sw.timeout_s)
+    try:
+        atomic_write_text(out / SWEEP_FILE, json.dumps(asdict(sw), indent=1) + "\n")
+        atomic_write_text(out / PLAN_FILE, plan[["candidate"] + COLUMNS].to_csv(index=False))
+        recs = plan.to_dict("records")
+        for i, row in enumerate(recs):
+            cfg = config_from_row(row, sw.model, sw.global_batch, sw.seq_len, machine=machine_ref, steps=sw.steps,
+                                  warmup_steps=sw.warmup_steps)
+            runner_up = recs[1] if i == 0 and len(recs) > 1 else recs[0] if i > 0 else None
+            write_run_dir(out / "runs" / row["candidate"], cfg, profile, row, runner_up,
+                          command=f"axoplan validate (candidate {i + 1} of {len(recs)})",
+                          candidates=plan.attrs.get("candidates"), feasible=plan.attrs.get("feasible"),
+                          slurm_time_s=sw.timeout_s)
+    except OSError as e:
+        raise _write_error(out, e) from None
+
+
+def _write_error(out: Path, e: OSError) -> UserError:
+    if isinstance(e, UserError):  # already one sentence naming the file
+        return e
+    where = f"'{e.filename}'" if e.filename else f"the sweep folder '{out}'"
+    return UserError(f"cannot write {where}: {(e.strerror or str(e)).lower()}")
+
+
+def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
+    """Check (on resume) and write sweep.json, plan.csv and the run directories."""
+    plan = plan_candidates(sw)
+    _check_existing(sw, out, resume, plan)
+    _write_sweep(sw, out, plan)
     return plan
 
 
@@ -518,27 +492,66 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
     return s
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the sweep: stop as on Ctrl-C, ending the run under way."""
+
+
+def _on_signal(signum, frame):
+    raise _Terminated(f"signal {signum}")
+
+
 def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[str], None] = print,
               launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher,
               runner: Callable[..., RunResult] = run_one) -> dict:
     """Plan, emit and run every candidate not yet recorded, appending to results.csv as each run
     finishes; then score. With repeats, the candidates run in passes (round robin, so a machine that
     drifts during the sweep shifts every candidate alike); a candidate whose first run did not finish
-    ok is not run again. Returns the summary dict."""
+    ok is not run again. The sweep holds OUT/sweep.lock while it lives: a second sweep on OUT is
+    refused, and one that finds runs a killed sweep left behind ends them before it starts. A run that
+    failed for a reason outside the candidate (status infra) stops the sweep; --resume runs it again.
+    Returns the summary dict."""
     sw.check()
     out = Path(out)
-    plan = _prepare(sw, out, resume)
+    plan = plan_candidates(sw)  # before the folder is touched: a bad model or machine writes nothing
+    with P.SweepLock(out) as lock:
+        lock.end_orphans(echo)
+        _check_existing(sw, out, resume, plan)
+        _write_sweep(sw, out, plan)
+        handlers = {}
+        try:
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                handlers[sig] = signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+        P.set_active(lock)
+        try:
+            _run_all(sw, out, resume, plan, echo, launcher, runner)
+        finally:
+            P.set_active(None)
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+        return finish(out, _sweep_title(sw), echo)
+
+
+def _run_all(sw, out, resume, plan, echo, launcher, runner) -> None:
     res_path = out / RESULTS_FILE
     recorded = read_results(res_path, per_run=True) if res_path.exists() and res_path.stat().st_size else None
     if recorded is not None and _header(res_path) != RESULT_COLUMNS:
         # a sweep begun by an older axoplan: rewrite its records in today's columns before appending
-        atomic_write_text(res_path, "".join(_csv_line(v) for v in
-                                            [RESULT_COLUMNS] + recorded.reindex(columns=RESULT_COLUMNS).values.tolist()))
+        try:
+            atomic_write_text(res_path, "".join(_csv_line(v) for v in [RESULT_COLUMNS] + recorded.reindex(
+                columns=RESULT_COLUMNS).values.tolist()))
+        except OSError as e:
+            raise _write_error(out, e) from None
+    # only a candidate's own outcome is final: runs stopped by the machine (infra) are run again
     status = {} if recorded is None else {(c, int(r)): s for c, r, s in
-                                         zip(recorded["candidate"], recorded["repeat"], recorded["status"])}
+                                         zip(recorded["candidate"], recorded["repeat"], recorded["status"])
+                                         if s in FINAL_STATUSES}
+    retry = 0 if recorded is None else int((recorded["status"] == INFRA).sum())
     total = len(plan) * sw.repeats
-    if status:
-        echo(f"resuming: {len(status)} of {total} runs already recorded")
+    if status or retry:
+        echo(f"resuming: {len(status)} of {total} runs already recorded"
+             + (f"; {retry} stopped by the machine, not the candidate, run again" if retry else ""))
     else:
         passes = f" x {sw.repeats} passes" if sw.repeats > 1 else ""
         echo(f"{len(plan)} candidates{passes} of {_sweep_title(sw)}; runs in {out / 'runs'}")
@@ -550,28 +563,43 @@ def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[
                 continue
             run_dir = (out / "runs" / c).resolve()
             res = runner(run_dir, sw.gpus, sw.timeout_s, launcher=launcher)
-            append_result(res_path, _result_row(sw, row, res, rep))
-            status[(c, rep)] = res.status
-            n += 1
+            try:
+                append_result(res_path, _result_row(sw, row, res, rep))
+            except OSError as e:
+                raise UserError(f"cannot record run {c} in '{res_path}' ({_write_error(out, e)}); the sweep "
+                                f"stopped, and --resume runs it again") from None
+            n += res.status != INFRA
             meas = f"{res.measured_time_s:.4g} s" if res.measured_time_s is not None else "-"
             tag = f" (pass {rep + 1})" if sw.repeats > 1 else ""
             echo(f"[{n}/{total}] {c}{tag}: {res.status:7s} measured {meas:>10s}  predicted "
                  f"{row['batch_time_s']:.4g} s  ({res.wall_s:.0f} s)" + (f"  {res.error}" if res.error else ""))
-    return finish(out, _sweep_title(sw), echo)
+            if res.status == INFRA:
+                raise UserError(f"the sweep stopped: run {c} failed for a reason outside the candidate "
+                                f"({res.error}); fix that, then continue with --resume, which runs it again")
+            status[(c, rep)] = res.status
 
 
 # ---- Slurm: a job array of the candidates, then --collect ------------------------------------
 def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
     """Emit every candidate and one sbatch job array that runs them (each array task one candidate,
     its output in runs/<id>/run.log); `axoplan validate --collect OUT` scores what came back."""
-    from .machine import load_profile
-    import shlex
 
     sw.check()
     if sw.repeats > 1:
         raise UserError("--repeats is for sweeps run here: a Slurm array runs each candidate once")
     out = Path(out).resolve()
-    plan = _prepare(sw, out, resume=(out / SWEEP_FILE).exists())
+    plan = plan_candidates(sw)
+    with P.SweepLock(out):
+        _check_existing(sw, out, (out / SWEEP_FILE).exists(), plan)
+        _write_sweep(sw, out, plan)
+        return _write_array(sw, out, plan)
+
+
+def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
+    import shlex
+
+    from .machine import load_profile
+
     profile = load_profile(sw.machine)
     nodes, per = nodes_for(sw.gpus, profile.gpus_per_node)
     ids = list(plan["candidate"])
@@ -587,8 +615,8 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
     if _directive_safe(str(out)):
         lines.append(f"#SBATCH --output={out}/runs/slurm-%A_%a.out")
     lines += [f"# axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task.",
-              f"# Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
-              f"{shlex.quote(str(out))}",
+              (f"# Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
+              f"{shlex.quote(str(out))}"),
               "set -euo pipefail",
               "# shellcheck disable=SC2016  # quoted paths are literal on purpose",
               f"OUT={shlex.quote(str(out))}",
@@ -612,32 +640,58 @@ def collect(out: str | Path, echo: Callable[[str], None] = print) -> dict:
     """Score a Slurm sweep: read each candidate's run.log (and the array's slurm-*.out for time
     limits), rewrite results.csv atomically, then score as a local sweep."""
     out = Path(out)
-    try:
-        sw = Sweep(**json.loads((out / SWEEP_FILE).read_text()))
-        plan = pd.read_csv(out / PLAN_FILE)
-    except (OSError, json.JSONDecodeError, TypeError, pd.errors.ParserError) as e:
-        raise UserError(f"'{out}' holds no validate sweep (sweep.json and plan.csv): {e}") from None
+    if not (out / SWEEP_FILE).exists() and not (out / PLAN_FILE).exists():
+        raise UserError(f"'{out}' holds no validate sweep (no {SWEEP_FILE} or {PLAN_FILE})")
+    with P.SweepLock(out):
+        sw = read_sweep_json(out / SWEEP_FILE, Sweep)
+        plan = read_plan(out / PLAN_FILE)
+        return _collect(sw, plan, out, echo)
+
+
+def _collect(sw: Sweep, plan: pd.DataFrame, out: Path, echo: Callable[[str], None]) -> dict:
     lines = [_csv_line(RESULT_COLUMNS)]
     missing = []
     for i, row in enumerate(plan.to_dict("records")):
         run_dir = out / "runs" / row["candidate"]
         text = ""
         for p in [run_dir / LOG_NAME] + sorted((out / "runs").glob(f"slurm-*_{i}.out")):
-            if p.exists():
+            try:
                 text += p.read_text(errors="replace") + "\n"
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise UserError(f"cannot read the run log '{p}': {(e.strerror or str(e)).lower()}") from None
         if not text.strip():
             missing.append(row["candidate"])
             res = RunResult(None, "failed", "no run log: not run yet, or its output was lost", 0.0)
         else:
             res = parse_log(text)
         lines.append(_csv_line([_result_row(sw, row, res).get(c) for c in RESULT_COLUMNS]))
-    atomic_write_text(out / RESULTS_FILE, "".join(lines))
+    try:
+        atomic_write_text(out / RESULTS_FILE, "".join(lines))
+    except OSError as e:
+        raise _write_error(out, e) from None
     if missing:
         echo(f"{len(missing)} of {len(plan)} candidates have no log yet: {', '.join(missing[:5])}"
              + (" ..." if len(missing) > 5 else ""))
     return finish(out, _sweep_title(sw), echo)
 
 
-__all__ = ["Sweep", "RunResult", "RESULT_COLUMNS", "STATUSES", "append_result", "collect", "distinct_configs",
-           "finish", "parse_log", "plan_candidates", "plot", "read_results", "run_one", "run_sweep", "score",
-           "write_slurm_array"]
+__all__ = [
+    "RESULT_COLUMNS",
+    "STATUSES",
+    "RunResult",
+    "Sweep",
+    "append_result",
+    "collect",
+    "distinct_configs",
+    "finish",
+    "parse_log",
+    "plan_candidates",
+    "plot",
+    "read_results",
+    "run_one",
+    "run_sweep",
+    "score",
+    "write_slurm_array",
+]

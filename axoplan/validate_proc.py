@@ -1,0 +1,261 @@
+"""Process control for `axoplan validate`: the sweep's lock on its folder, the runs it starts, and
+ending runs a killed sweep left behind.
+
+A sweep holds an flock on OUT/sweep.lock for as long as it lives (the kernel drops it when the
+process dies, even by kill -9), and records in that file its own pid and the process group of the
+run it has started. Every run also carries AXOPLAN_VALIDATE_OUT=<the sweep folder> in its
+environment, which torchrun passes on to its workers (even those in new sessions), so a later sweep
+on the same folder finds every process an earlier one left running, by environment, not by parents.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UserError
+
+LOCK_FILE = "sweep.lock"
+MARKER = "AXOPLAN_VALIDATE_OUT"
+
+
+# ---- processes ---------------------------------------------------------------------------------
+def proc_start(pid: int) -> str | None:
+    """The start time of a live process (field 22 of /proc/PID/stat), None if gone or a zombie: with
+    the pid it names one process, never a later one that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+
+
+def descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live process below root, by parent links."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            st = proc_start(c)
+            if st is not None:
+                out.append((c, st))
+                todo.append(c)
+    return out
+
+
+def marked(folder: Path) -> list[tuple[int, str]]:
+    """(pid, start time) of every live process started for the sweep in folder (its environment
+    carries the marker), this process and its ancestors excepted."""
+    want = f"{MARKER}={folder}".encode() + b"\0"
+    mine, p = {os.getpid()}, os.getppid()
+    while p > 1 and p not in mine:  # a sweep started from inside a run must not end its own parents
+        mine.add(p)
+        p = _ppid(p)
+    out = []
+    for pid in _pids():
+        if pid in mine:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if want in env or env.endswith(want[:-1]):
+            st = proc_start(pid)
+            if st is not None:
+                out.append((pid, st))
+    return out
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def end_processes(procs: list[tuple[int, str]], groups: list[int] = (), grace_s: float = 10.0) -> list[int]:
+    """SIGTERM, then after grace_s SIGKILL, to the given processes (and process groups); returns the
+    pids still alive at the end (none, unless they belong to someone we may not signal)."""
+    def alive():
+        return [(p, st) for p, st in procs if proc_start(p) == st]
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for g in groups:
+            try:
+                os.killpg(g, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p, st in alive():
+            try:
+                os.kill(p, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        t_end = time.monotonic() + wait
+        while alive() and time.monotonic() < t_end:
+            time.sleep(0.05)
+        if not alive():
+            return []
+    return [p for p, _ in alive()]
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 10.0, folder: Path | None = None) -> None:
+    """Stop a run started with start_new_session=True: SIGTERM to its group (torchrun forwards it to
+    its workers), then SIGKILL to whatever of the tree (and of the processes marked for this sweep's
+    folder) is left; the run's own process is reaped."""
+    tree = descendants(proc.pid)
+    if folder is not None:
+        tree += [x for x in marked(folder) if x not in tree]
+    me = proc_start(proc.pid)
+    end_processes(tree + ([(proc.pid, me)] if me else []), groups=[proc.pid], grace_s=grace_s)
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ---- the sweep's lock ------------------------------------------------------------------------------
+class SweepLock:
+    """An exclusive, non-blocking flock on OUT/sweep.lock, held while the sweep runs. The file says
+    who holds it (pid, start time, host) and which run is under way (its process group and start
+    time); a sweep that finds the lock free but the file naming runs reads what a dead sweep left."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self.fd: int | None = None
+        self.left: dict = {}  # what the previous holder recorded
+        self.runs: list[dict] = []
+
+    def acquire(self) -> SweepLock:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            # O_CLOEXEC (Python's default) keeps the lock out of the runs we start: it dies with us
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot lock the sweep folder '{self.folder}': {_reason(e)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_json_fd(fd)
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f" (pid {holder['pid']} on {holder.get('host', '?')})" if isinstance(holder.get("pid"), int) else ""
+                raise UserError(f"another axoplan validate{who} is running a sweep in '{self.folder}'; wait for it "
+                                f"to finish or choose another --out") from None
+            raise UserError(f"cannot lock the sweep folder '{self.folder}': {_reason(e)}") from None
+        self.fd = fd
+        self.left = _read_json_fd(fd)
+        self._write()
+        return self
+
+    def _write(self) -> None:
+        # written in place under the lock (a rename would give later sweeps another file to lock);
+        # a record cut short by a crash is unreadable, and the environment marker still finds the runs
+        rec = {"pid": os.getpid(), "start": proc_start(os.getpid()), "host": socket.gethostname(),
+               "runs": self.runs}
+        data = (json.dumps(rec) + "\n").encode()
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+            os.fsync(self.fd)
+        except OSError:
+            pass  # the record helps find orphans; the environment marker finds them without it
+
+    def started(self, pid: int, candidate: str = "", repeat: int = 0) -> None:
+        self.runs = [{"pgid": pid, "start": proc_start(pid), "candidate": candidate, "repeat": repeat}]
+        self._write()
+
+    def finished(self) -> None:
+        self.runs = []
+        self._write()
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def end_orphans(self, echo: Callable[[str], None] = print, grace_s: float = 10.0) -> int:
+        """End every process an earlier sweep on this folder left running (it was killed, so nobody
+        waits for them): they would share the cores and the run folder with the runs we start."""
+        host = self.left.get("host")
+        groups, procs = [], []
+        if host in (None, socket.gethostname()):
+            for r in self.left.get("runs") or []:
+                pgid, st = r.get("pgid"), r.get("start")
+                if isinstance(pgid, int) and pgid > 1 and st is not None and proc_start(pgid) == st:
+                    groups.append(pgid)
+                    procs.append((pgid, st))
+                    procs += descendants(pgid)
+        procs += [x for x in marked(self.folder.resolve()) if x not in procs]
+        if not procs:
+            return 0
+        runs = ", ".join(str(r.get("candidate")) for r in self.left.get("runs") or [] if r.get("candidate"))
+        echo(f"ending {len(procs)} process(es) left running by an interrupted sweep in {self.folder}"
+             + (f" (run {runs})" if runs else "") + ": pids " + " ".join(str(p) for p, _ in procs))
+        left = end_processes(procs, groups=groups, grace_s=grace_s)
+        if left:
+            raise UserError(f"processes {' '.join(map(str, left))} of an interrupted sweep in '{self.folder}' are still "
+                            f"running and cannot be ended from here; end them, then run again")
+        return len(procs)
+
+
+# the lock of the sweep this process is running: run_one records its runs there
+_active: SweepLock | None = None
+
+
+def set_active(lock: SweepLock | None) -> None:
+    global _active
+    _active = lock
+
+
+def active() -> SweepLock | None:
+    return _active
+
+
+def marker_env() -> dict:
+    return {MARKER: str(_active.folder.resolve())} if _active is not None else {}
+
+
+def _read_json_fd(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 1 << 16, 0)
+        rec = json.loads(data.decode())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _reason(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
