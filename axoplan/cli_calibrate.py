@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,12 +30,18 @@ def _check_out(out: str | None) -> Path:
 
 
 def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, device: str, command: str,
-                 extra: list[str]) -> float:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+                 extra: list[str], log_path: Path | None = None, append: bool = False) -> float:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     results.mkdir(parents=True, exist_ok=True)
-    log_path = results / "worker.log"
-    adding = "--add" in extra  # parts on top of an earlier run: its log stays
+    log_path = log_path or results / "worker.log"
+    adding = append or "--add" in extra  # parts on top of an earlier run, or beside it: its log stays
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "calibration.worker", "--results", str(results), "--device", device, "--command", command]
     if quick:
@@ -68,6 +75,76 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
         raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
                         f"their log is {log_path}")
     return time.time() - t0
+
+
+STAGING_PREFIX = ".measuring-"
+
+
+def _complete(results: Path) -> bool:
+    from calibration.results_io import ResultsDir
+
+    try:
+        return ResultsDir(results).meta().get("status") == "complete"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _stage(results: Path, keep: bool) -> Path:
+    """A folder inside results for a run that must not touch the complete run there until it is done:
+    with keep (parts added on top), a copy of that run's tables and meta.json to add to. Folders of
+    earlier runs that were killed (their pid is gone) are removed."""
+    import shutil
+
+    for old in results.glob(STAGING_PREFIX + "*"):
+        pid = old.name[len(STAGING_PREFIX):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    staging = results / f"{STAGING_PREFIX}{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        if keep:
+            for f in results.iterdir():
+                if f.is_file() and (f.suffix == ".csv" or f.name == "meta.json"):
+                    shutil.copy2(f, staging / f.name)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"cannot prepare the measurement beside '{results}': {(e.strerror or str(e)).lower()}") from None
+    return staging
+
+
+def _on_terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_on_terminate() -> dict:
+    """SIGTERM and SIGHUP stop a calibration as Ctrl-C does: its workers are ended, its folder removed."""
+    handlers = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _on_terminate)
+    except ValueError:  # not the main thread: signals stay as they are
+        pass
+    return handlers
+
+
+def _commit(staging: Path, results: Path) -> None:
+    """Move a finished run's files over the complete run, each by an atomic rename, meta.json last (it
+    says the folder is complete); Ctrl-C and SIGTERM wait the few milliseconds this takes."""
+    from calibration.results_io import ResultsDir
+
+    if ResultsDir(staging).meta().get("status") != "complete":
+        raise UserError(f"the calibration workers exited without finishing; the earlier run in {results} is kept")
+    files = sorted((f for f in staging.iterdir() if f.is_file() and f.name != "meta.json"), key=lambda f: f.name)
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        for f in [*files, staging / "meta.json"]:
+            os.replace(f, results / f.name)
+    except OSError as e:
+        raise UserError(f"cannot move the new measurements into '{results}': {(e.strerror or str(e)).lower()}") from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _last_error_line(log_path: Path) -> str:
@@ -248,7 +325,23 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
         command = f"axoplan calibrate --nproc {nproc} --out {out_p}" + (" --quick" if quick else "") + (
             f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "") + (
             f" --parts {parts}" if parts else "")
-        wall = _run_workers(nproc, results_p, quick, models, device, command, add_args + list(worker_args))
+        if parts is not None or _complete(results_p):
+            # the complete run there stays whole until this one has finished: measured beside it, then moved
+            # over it file by file (an interrupted run leaves it as it was, usable by --parts and --from-results)
+            import shutil
+
+            staging = _stage(results_p, keep=parts is not None)
+            handlers = _stop_on_terminate()
+            try:
+                wall = _run_workers(nproc, staging, quick, models, device, command, add_args + list(worker_args),
+                                    log_path=results_p / "worker.log", append=True)
+                _commit(staging, results_p)
+            finally:
+                for sig, h in handlers.items():
+                    signal.signal(sig, h)
+                shutil.rmtree(staging, ignore_errors=True)
+        else:
+            wall = _run_workers(nproc, results_p, quick, models, device, command, add_args + list(worker_args))
 
     from calibration import profile_writer
 

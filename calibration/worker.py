@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     overhead = world_max(float(overhead))
 
     results = ResultsDir(args.results)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 (datetime.UTC needs Python 3.11; 3.10 is supported)
     meta = {
         "status": "running",
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -281,9 +281,10 @@ def main(argv=None) -> int:
         # ranks sharing cores: each collective is timed after a compute burst, less the burst
         "collectives_interleaved": oversubscribed,
     }
-    if args.add:
-        meta = merge_meta(results.meta(), meta, only)
     if rank == 0:
+        # rank 0 alone reads the earlier run's meta: the others would read it after start() marked it running
+        if args.add:
+            meta = merge_meta(results.meta(), meta, only)
         results.start(meta, tables=only if args.add else None)
     done = 0
 

@@ -316,3 +316,82 @@ def test_collect_with_an_empty_plan_or_no_sweep_is_one_sentence(tmp_path, pm_pat
     empty.mkdir()
     code, _, err = cli(capsys, "validate", "--collect", str(empty))
     one_sentence(code, err, "holds no validate sweep")
+
+
+# ---- calibrate: measuring beside a complete run, never over it -------------------------------------------
+def _fake_workers(interrupt: bool, seconds: float):
+    """Stand-in for the calibration workers: re-measures attention in the folder it is given (as the
+    worker does with --add), then is interrupted half-way or finishes."""
+    from calibration.results_io import ResultsDir
+
+    def run(nproc, results, quick, models, device, command, extra, log_path=None, append=False):
+        rd = ResultsDir(results)
+        meta = dict(rd.meta(), status="running", part_dates={"attention": "2026-12-01T00:00:00Z"})
+        rd.start(meta, tables={"attention"})
+        rd.append("attention", {"batch": 1, "heads": 8, "seq": 64, "head_dim": 8, "causal": True,
+                                "pass": "forward", "seconds": seconds})
+        if interrupt:
+            raise KeyboardInterrupt
+        for b in (1, 4):
+            for causal in (False, True):
+                for pass_, f in (("forward", 1.0), ("forward_backward", 3.5)):
+                    rd.append("attention", {"batch": b, "heads": 8, "seq": 64, "head_dim": 8, "causal": causal,
+                                            "pass": pass_, "seconds": seconds * b * f})
+        rd.write_meta(dict(meta, status="complete"))
+        return 1.0
+
+    return run
+
+
+def test_interrupted_calibrate_parts_leaves_the_complete_run_whole(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    from calib_synthetic import write
+
+    from axoplan import cli_calibrate
+
+    results = tmp_path / "r"
+    write(results)
+    (results / ".measuring-999999").mkdir()  # left by a calibration that was killed
+    before = {f.name: f.read_bytes() for f in results.iterdir() if f.is_file()}
+    args = ["calibrate", "--out", str(tmp_path / "p.yaml"), "--results", str(results), "--parts", "attention"]
+
+    monkeypatch.setattr(cli_calibrate, "_run_workers", _fake_workers(interrupt=True, seconds=1e-3))
+    code, _, _ = cli(capsys, *args)
+    assert code == 130
+    assert {f.name: f.read_bytes() for f in results.iterdir() if f.is_file()} == before
+    assert not list(results.glob(".measuring-*")) and not (tmp_path / "p.yaml").exists()
+
+    # the folder is still a complete run: both --from-results and --parts take it
+    code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "q.yaml"), "--from-results", str(results))
+    assert code == 0, err
+    monkeypatch.setattr(cli_calibrate, "_run_workers", _fake_workers(interrupt=False, seconds=2e-3))
+    code, _, err = cli(capsys, *args)
+    assert code == 0, err
+    from calibration.results_io import ResultsDir
+
+    rd = ResultsDir(results)
+    assert rd.meta()["status"] == "complete" and rd.meta()["part_dates"] == {"attention": "2026-12-01T00:00:00Z"}
+    assert len(rd.rows("attention")) == 9 and rd.rows("attention")[0]["seconds"] == 2e-3
+    assert (results / "gemm.csv").read_bytes() == before["gemm.csv"]  # the parts not measured again are kept
+    assert (tmp_path / "p.yaml").exists() and not list(results.glob(".measuring-*"))
+
+
+def test_a_failed_whole_calibration_keeps_the_earlier_complete_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    from calib_synthetic import write
+
+    from axoplan import cli_calibrate
+    from axoplan.errors import UserError as UE
+
+    results = tmp_path / "r"
+    write(results)
+    before = {f.name: f.read_bytes() for f in results.iterdir() if f.is_file()}
+
+    def failing(nproc, results_dir, *a, **kw):
+        (results_dir / "gemm.csv").write_text("m,n,k\n")  # half a new run, then the workers fail
+        raise UE("the calibration workers failed (exit code 1)")
+
+    monkeypatch.setattr(cli_calibrate, "_run_workers", failing)
+    code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "p.yaml"), "--results", str(results), "--nproc", "2")
+    one_sentence(code, err, "workers failed")
+    assert {f.name: f.read_bytes() for f in results.iterdir() if f.is_file()} == before
