@@ -187,8 +187,8 @@ class SweepLock:
         except OSError:
             pass  # the record helps find orphans; the environment marker finds them without it
 
-    def started(self, pid: int, candidate: str = "", repeat: int = 0) -> None:
-        self.runs = [{"pgid": pid, "start": proc_start(pid), "candidate": candidate, "repeat": repeat}]
+    def started(self, pid: int, candidate: str = "") -> None:
+        self.runs = [{"pgid": pid, "start": proc_start(pid), "candidate": candidate}]
         self._write()
 
     def finished(self) -> None:
