@@ -145,6 +145,7 @@ class RunResult:
 _OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory|Signal 9 \(SIGKILL\)|"
                   r"exitcode\s*:\s*-9\b", re.IGNORECASE)
 _TIME_LIMIT = re.compile(r"DUE TO TIME LIMIT", re.IGNORECASE)
+_PREEMPTED = re.compile(r"DUE TO (PREEMPTION|NODE FAIL)", re.IGNORECASE)  # Slurm took the nodes: not the candidate
 # failures that are not the candidate's: the disk, the file system, the launcher, a signal from outside
 # (SIGTERM, SIGHUP, SIGINT; SIGKILL of a worker stays oom: the kernel's OOM killer sends it)
 _INFRA = re.compile(r"No space left on device|Errno 28\b|Disk quota exceeded|Errno 122\b|Read-only file system|"
@@ -171,6 +172,8 @@ def parse_log(text: str) -> RunResult:
         return RunResult(float(summary["median_batch_time_s"]), "ok", "", 0.0, summary)
     if _TIME_LIMIT.search(text):
         return RunResult(None, "timeout", "the scheduler stopped it at its time limit", 0.0)
+    if _PREEMPTED.search(text):
+        return RunResult(None, INFRA, f"the scheduler took its nodes: {error_line(text)}", 0.0)
     m = _INFRA.search(text)
     if m:
         return RunResult(None, INFRA, f"not the candidate's failure ({m.group(0)}): {error_line(text)}", 0.0)
@@ -285,6 +288,9 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     full = no_space(run_dir)
     if full is not None:
         return _infra(f"the run folder cannot take writes ({full}): {res.error}", wall)
+    if rc != 0 and not any(l.strip() and not l.startswith(_TRAILER) for l in text.splitlines()):
+        # torchrun and the trainer always say why they fail: a failure without a word lost its output
+        return _infra(f"exit code {rc} with no output at all (its output was lost)", wall)
     if rc == 0:
         res.error = "exited 0 without a summary line: " + res.error
     return res
@@ -663,7 +669,7 @@ def _collect(sw: Sweep, plan: pd.DataFrame, out: Path, echo: Callable[[str], Non
                 raise UserError(f"cannot read the run log '{p}': {(e.strerror or str(e)).lower()}") from None
         if not text.strip():
             missing.append(row["candidate"])
-            res = RunResult(None, "failed", "no run log: not run yet, or its output was lost", 0.0)
+            res = RunResult(None, INFRA, "no run log: not run yet, or its output was lost", 0.0)
         else:
             res = parse_log(text)
         lines.append(_csv_line([_result_row(sw, row, res).get(c) for c in RESULT_COLUMNS]))

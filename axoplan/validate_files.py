@@ -41,7 +41,7 @@ def _text(path: Path, what: str) -> str:
     if b"\0" in data:
         raise UserError(f"{what} '{path}' is a binary file, not the text axoplan validate writes")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark from a spreadsheet is not part of the header
     except UnicodeDecodeError:
         raise UserError(f"{what} '{path}' is not UTF-8 text (binary or another encoding)") from None
 
@@ -95,6 +95,9 @@ def read_results(path: str | Path, per_run: bool = False) -> pd.DataFrame:
     for c in _NUMERIC:
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", np.nan), errors="coerce")
+    # a time that is not a positive finite number measured nothing: such a run counts as not measured
+    t = df["measured_time_s"].to_numpy(float)
+    df.loc[~np.isfinite(t) | (t <= 0), "measured_time_s"] = np.nan
     for c in ("checkpointing", "feasible"):
         if c in df:
             df[c] = df[c].astype(str).str.lower().isin(("true", "1"))
@@ -147,6 +150,11 @@ def read_plan(path: str | Path, need_rows: bool = True) -> pd.DataFrame:
         raise UserError(f"plan file '{p}' lists no candidates")
     if df["candidate"].isna().any() or df["candidate"].astype(str).duplicated().any():
         raise UserError(f"plan file '{p}' has an empty or repeated candidate id")
+    for c in ("rank", "gx", "gy", "gz", "gdata", "micro_batch", "batch_time_s"):
+        v = pd.to_numeric(df[c], errors="coerce")
+        if not np.isfinite(v.to_numpy(float)).all() or (v <= 0).any():
+            raise UserError(f"plan file '{p}': column {c} holds a value that is not a positive number")
+        df[c] = v
     df["candidate"] = df["candidate"].astype(str)
     return df
 

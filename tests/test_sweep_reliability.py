@@ -395,3 +395,22 @@ def test_a_failed_whole_calibration_keeps_the_earlier_complete_run(tmp_path, cap
     code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "p.yaml"), "--results", str(results), "--nproc", "2")
     one_sentence(code, err, "workers failed")
     assert {f.name: f.read_bytes() for f in results.iterdir() if f.is_file()} == before
+
+
+def test_sweep_files_with_bad_numbers_or_a_bom(tmp_path, pm_path, capsys):
+    out = tmp_path / "sw"
+    V.run_sweep(sweep(pm_path, top_k=2), out, echo=lambda s: None,
+                launcher=launcher_of([summary_cmd(1.0), summary_cmd(2.0)]))
+    # a spreadsheet's byte-order mark is read through; an infinite or negative time measured nothing
+    text = (out / "results.csv").read_text()
+    (out / "results.csv").write_bytes(b"\xef\xbb\xbf" + text.replace(",1.0,ok,", ",inf,ok,").encode())
+    res = V.read_results(out / "results.csv")
+    assert list(res["status"]) == ["ok", "ok"] and res["measured_time_s"].isna().tolist() == [True, False]
+    assert V.score(res)["ok"] == 1
+    plan = (out / "plan.csv").read_text().splitlines()
+    head = plan[0].split(",")
+    row = plan[1].split(",")
+    row[head.index("batch_time_s")] = "fast"
+    (out / "plan.csv").write_text("\n".join([plan[0], ",".join(row), *plan[2:]]) + "\n")
+    code, _, err = cli(capsys, "validate", "--collect", str(out))
+    one_sentence(code, err, "plan.csv", "batch_time_s")
