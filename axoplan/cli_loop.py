@@ -8,17 +8,20 @@ from pathlib import Path
 
 import click
 
-from .errors import UserError
+from . import inputs
 from .cli_plan import parse_grid
+from .errors import UserError
 from .launch import ORDERS
 
 
 def _job_options(f):
-    f = click.option("--model", "-m", help="Preset name (axoplan models) or model YAML path.")(f)
-    f = click.option("--machine", "-p", help="Profile name (axoplan profiles) or profile YAML path.")(f)
-    f = click.option("--gpus", "-g", type=int, help="Number of GPUs (processes on CPU).")(f)
-    f = click.option("--global-batch", "-b", type=int, help="Global batch in sequences.")(f)
-    f = click.option("--seq-len", "-s", type=int, default=None, help="Sequence length (default: the model's).")(f)
+    f = click.option("--model", "-m", type=inputs.TEXT, help="Preset name (axoplan models) or model YAML path.")(f)
+    f = click.option("--machine", "-p", type=inputs.TEXT,
+                     help="Profile name (axoplan profiles) or profile YAML path.")(f)
+    f = click.option("--gpus", "-g", type=inputs.GPUS, help="Number of GPUs (processes on CPU).")(f)
+    f = click.option("--global-batch", "-b", type=inputs.GLOBAL_BATCH, help="Global batch in sequences.")(f)
+    f = click.option("--seq-len", "-s", type=inputs.SEQ_LEN, default=None,
+                     help="Sequence length (default: the model's).")(f)
     return f
 
 
@@ -66,7 +69,7 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
         if order is not None:
             chosen["order"] = order  # the equivalent placement the user asked for, by its name
     else:
-        k = rank_k or 1
+        k = 1 if rank_k is None else rank_k  # --rank 0 is a mistake, not the first row
         if k <= 0:
             raise UserError(f"--rank must be a positive integer, got {k}")
         if k > len(rows):
@@ -80,14 +83,17 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
 
 @click.command("emit")
 @_job_options
-@click.option("--rank", "rank_k", type=int, default=None, help="Emit the K-th ranked configuration (default 1).")
+@click.option("--rank", "rank_k", type=inputs.Count(1), default=None,
+              help="Emit the K-th ranked configuration (default 1).")
 @click.option("--grid", default=None, help="Emit this grid GX,GY,GZ,GDATA instead (its best micro-batch).")
 @click.option("--order", default=None, type=click.Choice(list(ORDERS)), help="Placement order with --grid.")
-@click.option("--micro-batch", type=int, default=None, help="Fix the micro-batch size.")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
-@click.option("--steps", type=int, default=10, show_default=True, help="Training steps in the emitted config.")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Steps left out of the summary's median.")
-@click.option("--out", "-o", "out", required=True, type=click.Path(file_okay=False), help="Run directory to write.")
+@click.option("--steps", type=inputs.STEPS, default=10, show_default=True, help="Training steps in the emitted config.")
+@click.option("--warmup", type=inputs.Count(0, inputs.MAX_STEPS), default=2, show_default=True,
+              help="Steps left out of the summary's median.")
+@click.option("--out", "-o", "out", required=True, type=inputs.SafePath(file_okay=False),
+              help="Run directory to write.")
 def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro_batch, checkpointing, steps,
          warmup, out):
     """Write DIR/config.yaml, DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and DIR/README.txt for
@@ -161,9 +167,11 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
 
 # ---- refit ------------------------------------------------------------------------------------------
 @click.command("refit")
-@click.option("--results", "-r", required=True, type=click.Path(dir_okay=False), help="results.csv of axoplan validate.")
-@click.option("--machine", "-p", required=True, help="The profile to correct (name or YAML path).")
-@click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False), help="New profile YAML to write.")
+@click.option("--results", "-r", required=True, type=inputs.SafePath(dir_okay=False),
+              help="results.csv of axoplan validate.")
+@click.option("--machine", "-p", required=True, type=inputs.TEXT, help="The profile to correct (name or YAML path).")
+@click.option("--out", "-o", "out", required=True, type=inputs.SafePath(dir_okay=False),
+              help="New profile YAML to write.")
 @click.option("--params", default="auto", show_default=True,
               help="Corrections to fit, comma-separated (gemm_scale, elementwise_scale, intra_bw_scale, "
                    "inter_bw_scale, latency_scale, kernel_overhead_scale, step_overhead_s, "
@@ -171,7 +179,8 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
 @click.option("--no-loo", is_flag=True, help="Skip the leave-one-out check.")
 def refit(results, machine, out, params, no_loo):
     """Fit the profile's corrections to measured runs; report error before, after and leave-one-out."""
-    from .refit import format_report, refit as refit_api
+    from .refit import format_report
+    from .refit import refit as refit_api
 
     ps = "auto" if params.strip() == "auto" else [p.strip() for p in params.split(",") if p.strip()]
     r = refit_api(results, machine, out, ps, loo=not no_loo)

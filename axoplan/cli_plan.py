@@ -6,16 +6,18 @@ import json
 import time
 
 import click
-import numpy as np
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from . import inputs
 from .atomic import atomic_write_text
 from .errors import UserError
 from .launch import ORDERS
 from .machine import load_profile, profile_paths
-from .rank import COLUMNS, explain as explain_api, rank as rank_api
+from .rank import COLUMNS
+from .rank import explain as explain_api
+from .rank import rank as rank_api
 from .specs import load_model, preset_names
 
 
@@ -80,11 +82,15 @@ def profiles():
 
 
 def _common(f):
-    f = click.option("--model", "-m", required=True, help="Preset name (axoplan models) or model YAML path.")(f)
-    f = click.option("--machine", "-p", required=True, help="Profile name (axoplan profiles) or profile YAML path.")(f)
-    f = click.option("--gpus", "-g", required=True, type=int, help="Number of GPUs.")(f)
-    f = click.option("--global-batch", "-b", required=True, type=int, help="Global batch in sequences.")(f)
-    f = click.option("--seq-len", "-s", type=int, default=None, help="Sequence length (default: the model's).")(f)
+    f = click.option("--model", "-m", required=True, type=inputs.TEXT,
+                     help="Preset name (axoplan models) or model YAML path.")(f)
+    f = click.option("--machine", "-p", required=True, type=inputs.TEXT,
+                     help="Profile name (axoplan profiles) or profile YAML path.")(f)
+    f = click.option("--gpus", "-g", required=True, type=inputs.GPUS, help="Number of GPUs.")(f)
+    f = click.option("--global-batch", "-b", required=True, type=inputs.GLOBAL_BATCH,
+                     help="Global batch in sequences.")(f)
+    f = click.option("--seq-len", "-s", type=inputs.SEQ_LEN, default=None,
+                     help="Sequence length (default: the model's).")(f)
     f = click.option("--no-overlap", is_flag=True, help="Model the trainer with OAR/ORS/OAG off.")(f)
     return f
 
@@ -116,14 +122,14 @@ def _format(df: pd.DataFrame, fmt: str) -> str:
 
 @click.command("rank")
 @_common
-@click.option("--top", "-k", type=int, default=10, show_default=True, help="Show the best K feasible configurations.")
+@click.option("--top", "-k", type=inputs.Count(1), default=10, show_default=True, help="Show the best K feasible configurations.")
 @click.option("--all", "show_all", is_flag=True, help="Every candidate, infeasible ones too (with their reason).")
 @click.option("--order", default="all", show_default=True, type=click.Choice(list(ORDERS) + ["all"]),
               help="Placement order of x, y, z, innermost first (data is outermost).")
-@click.option("--micro-batch", type=int, default=None, help="Fix the micro-batch size (sequences per GPU).")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size (sequences per GPU).")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Write to this file (atomically).")
+@click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None, help="Write to this file (atomically).")
 def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all, order, micro_batch, checkpointing,
          fmt, output):
     """Rank every 4D configuration (gx, gy, gz, gdata, order, micro-batch, checkpointing)."""
@@ -138,7 +144,8 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
         _emit(_format(df, fmt), output)
         return
     m, p = load_model(model), load_profile(machine)
-    title = (f"{m.name} on {gpus} x {p.name} GPUs, global batch {global_batch} x {seq_len or m.seq_len} tokens: "
+    title = (f"{m.name} on {gpus} x {p.name} GPUs, global batch {global_batch} x "
+             f"{seq_len if seq_len is not None else m.seq_len} tokens: "
              f"{df.attrs['candidates']} candidates, {df.attrs['feasible']} feasible, ranked in {dt * 1e3:.0f} ms")
     parts = [_table(df, title)]
     if df.attrs.get("extrapolated_gemms"):
@@ -151,11 +158,12 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
 
 def parse_grid(grid: str) -> tuple[int, int, int, int]:
     try:
-        vals = tuple(int(v) for v in grid.split(","))
-    except ValueError:
+        vals = tuple(inputs.count(v, "--grid", 1, inputs.MAX_GPUS) for v in grid.split(","))
+    except UserError:
         vals = ()
-    if len(vals) != 4 or min(vals) <= 0:
-        raise UserError(f"--grid must be four positive integers GX,GY,GZ,GDATA, got '{grid}'")
+    if len(vals) != 4:
+        raise UserError(f"--grid must be four positive integers GX,GY,GZ,GDATA (each at most {inputs.MAX_GPUS:,}), "
+                        f"got '{grid}'")
     return vals
 
 
@@ -163,10 +171,10 @@ def parse_grid(grid: str) -> tuple[int, int, int, int]:
 @_common
 @click.option("--grid", required=True, help="GX,GY,GZ,GDATA")
 @click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS)))
-@click.option("--micro-batch", type=int, default=None, help="Default: the fastest feasible for this grid.")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Default: the fastest feasible for this grid.")
 @click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None)
+@click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None)
 def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
             output):
     """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""
@@ -180,7 +188,6 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
                "memory": json.loads(ex.memory.to_json(orient="records")), "notes": ex.notes}
         _emit(json.dumps(out, indent=1) + "\n", output)
         return
-    s = ex.summary.iloc[0]
     parts = [_table(ex.summary, "configuration")]
     t = Table(title="collectives per step (time per call from bytes / bus bandwidth + latency)")
     for col in ("layer", "phase", "collective", "axis", "group", "stride", "MiB/call", "busbw GB/s", "ms/call",

@@ -10,10 +10,18 @@ import click
 import numpy as np
 import pandas as pd
 
+from . import inputs
 from .atomic import atomic_write_bytes, atomic_write_text
 from .errors import UserError
 from .launch import ORDERS
-from .scale import COLUMNS, parse_gpus, parse_pairs, parse_tokens, strong_scaling, weak_scaling
+from .scale import (
+    COLUMNS,
+    parse_gpus,
+    parse_pairs,
+    parse_tokens,
+    strong_scaling,
+    weak_scaling,
+)
 
 
 def _table(df: pd.DataFrame) -> str:
@@ -120,20 +128,22 @@ def _progress(i, n, row):
 
 @click.command("scale", help="Predict strong or weak scaling: best configuration, time per batch, PFLOP/s, "
                               "parallel efficiency and time to train, per GPU count.")
-@click.option("--model", default=None, help="Preset name or model YAML (strong scaling).")
-@click.option("--machine", required=True, help="Machine profile name or YAML path.")
+@click.option("--model", default=None, type=inputs.TEXT, help="Preset name or model YAML (strong scaling).")
+@click.option("--machine", required=True, type=inputs.TEXT, help="Machine profile name or YAML path.")
 @click.option("--gpus", "gpus_spec", default=None, help="Counts: 128,256,512 or a range 128..8192 (doubling), "
                                                          "96..768x2, 8..64+8.")
 @click.option("--weak", "weak_spec", default=None, help="Weak scaling: MODEL:GPUS pairs, e.g. gpt-5b:512,gpt-10b:1024.")
-@click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step (the same at every count).")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: the model's).")
+@click.option("--global-batch", type=inputs.GLOBAL_BATCH, required=True,
+              help="Sequences per optimizer step (the same at every count).")
+@click.option("--seq-len", type=inputs.SEQ_LEN, default=None, help="Tokens per sequence (default: the model's).")
 @click.option("--tokens", "tokens_spec", default=None, help="Token budget for time to train, e.g. 2T, 300B.")
 @click.option("--order", type=click.Choice(("all",) + ORDERS), default="all", show_default=True)
-@click.option("--micro-batch", type=int, default=None, help="Fix the micro-batch size.")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
 @click.option("--no-overlap", is_flag=True, help="Model no communication overlap.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write the result here (atomically).")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot here.")
+@click.option("--output", type=inputs.SafePath(dir_okay=False), default=None,
+              help="Write the result here (atomically).")
+@click.option("--plot", type=inputs.SafePath(dir_okay=False), default=None, help="Write a PNG plot here.")
 def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_spec, order, micro_batch, no_overlap,
           fmt, output, plot):
     if global_batch <= 0:
@@ -145,7 +155,7 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
     if plot is not None and not plot.lower().endswith(".png"):
         raise UserError(f"--plot writes a PNG; give a file name ending in .png, got '{plot}'")
     tokens = parse_tokens(tokens_spec) if tokens_spec is not None else None
-    kw = dict(order=order, micro_batch=micro_batch, overlap=not no_overlap)
+    kw = {"order": order, "micro_batch": micro_batch, "overlap": not no_overlap}
     if weak_spec is not None:
         if model is not None or gpus_spec is not None:
             raise UserError("--weak takes MODEL:GPUS pairs; leave out --model and --gpus")

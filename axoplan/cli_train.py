@@ -8,10 +8,28 @@ import time
 import click
 
 from .errors import UserError
+from .inputs import SafePath
+
+
+def check_environment(cfg) -> None:
+    """What the config asks of this machine, checked on every rank before any process group: the
+    metrics file can be written, and NCCL has a GPU."""
+    from .atomic import check_writable
+
+    if cfg.metrics:
+        check_writable(cfg.metrics, "metrics file")
+    if cfg.save:
+        check_writable(cfg.save, "save file")
+    if cfg.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("config: backend nccl needs CUDA GPUs and none is visible here; "
+                            "use backend: gloo (or auto) on CPU")
 
 
 @click.command("train")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Run config YAML (a LaunchConfig).")
+@click.option("--config", "config_path", type=SafePath(dir_okay=False), help="Run config YAML (a LaunchConfig).")
 @click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
 def train(config_path, print_config):
     """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
@@ -30,6 +48,7 @@ def train(config_path, print_config):
         from .runtime.train import check_config  # imports torch: after the cheap checks
 
         check_config(cfg, de.world_size)
+        check_environment(cfg)
     except UserError:
         # every rank read the same config and failed the same way: one sentence from rank 0 only,
         # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)

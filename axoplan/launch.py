@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import shlex
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,11 @@ from typing import Any
 import numpy as np
 import yaml
 
+from . import inputs
 from .errors import UserError
+from .shell import check_script, comment, env_name, quote, safe_line
+from .shell import slug as _slug
+from .yamlio import load_yaml
 
 ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
 
@@ -32,8 +36,9 @@ class Grid:
 @dataclass
 class Overlap:
     all_reduce: bool = True  # OAR: dI all-reduce under the dW GEMM
-    reduce_scatter: bool = True  # ORS: dW reduce-scatters collected at the end of backward
+    reduce_scatter: bool = True  # ORS: dW reduce-scatters issued non-blocking, behind the backward compute
     all_gather: bool = True  # OAG: next layer's weight all-gather prefetched one layer ahead
+    max_inflight_reduce_scatters: int = 2  # ORS: at most this many in flight; the oldest is waited for first
 
 
 @dataclass
@@ -68,7 +73,7 @@ class LaunchConfig:
     backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise; or nccl, gloo
     save: str | None = None  # path to write the final parameters (a torch file), or null
 
-    def validate(self, where: str = "config") -> "LaunchConfig":
+    def validate(self, where: str = "config") -> LaunchConfig:
         def bad(msg):
             raise UserError(f"{where}: {msg}")
 
@@ -78,24 +83,69 @@ class LaunchConfig:
                 bad(f"grid.{name} must be a positive integer, got {v!r}")
         if self.order not in ORDERS:
             bad(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        for name in ("global_batch", "micro_batch", "steps"):
+        for name, hi in (("global_batch", inputs.MAX_GLOBAL_BATCH), ("micro_batch", inputs.MAX_GLOBAL_BATCH),
+                         ("steps", inputs.MAX_STEPS)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            if v > hi:
+                bad(f"{name} must be at most {hi:,}, got {inputs._short(v)}")
+        if self.grid.size > inputs.MAX_GPUS:
+            bad(f"the grid has {self.grid.size:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
+        if (not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0
+                or self.warmup_steps > inputs.MAX_STEPS):
             bad(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
-            bad(f"seq_len must be a positive integer or null, got {self.seq_len!r}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
+                                         or not 0 < self.seq_len <= inputs.MAX_SEQ_LEN):
+            bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {self.seq_len!r}")
+        self._validate_training(bad)
+        self._validate_text(bad, where)
         for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("collective_dtype", ("auto", "fp32", "bf16")),
                               ("blas_tuning", ("auto", "on", "off")), ("backend", ("auto", "nccl", "gloo"))):
             if getattr(self, name) not in allowed:
                 bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        mif = self.overlap.max_inflight_reduce_scatters
+        if not isinstance(mif, int) or isinstance(mif, bool) or mif < 1:
+            bad(f"overlap.max_inflight_reduce_scatters must be a positive integer, got {mif!r}")
         if self.goldfish is not None:
-            if not isinstance(self.goldfish.k, int) or self.goldfish.k < 2:
+            if not isinstance(self.goldfish.k, int) or isinstance(self.goldfish.k, bool) or self.goldfish.k < 2:
                 bad(f"goldfish.k must be an integer >= 2, got {self.goldfish.k!r}")
-            if not isinstance(self.goldfish.h, int) or self.goldfish.h < 1:
+            if not isinstance(self.goldfish.h, int) or isinstance(self.goldfish.h, bool) or self.goldfish.h < 1:
                 bad(f"goldfish.h must be a positive integer, got {self.goldfish.h!r}")
         return self
+
+    def _validate_training(self, bad) -> None:
+        """Optimizer numbers and switches: a string, nan or inf here would train to NaN or crash mid-run."""
+        def num(name, v, lo_open):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (lo_open and v == 0):
+                bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {v!r}")
+
+        num("lr", self.lr, True)
+        num("weight_decay", self.weight_decay, False)
+        num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:
+            bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {self.seed!r}")
+        for name in ("all_reduce", "reduce_scatter", "all_gather"):
+            if not isinstance(getattr(self.overlap, name), bool):
+                bad(f"overlap.{name} must be true or false, got {getattr(self.overlap, name)!r}")
+        if not isinstance(self.checkpointing, bool):
+            bad(f"checkpointing must be true or false, got {self.checkpointing!r}")
+
+    def _validate_text(self, bad, where: str) -> None:
+        """Names and paths: text without control characters (they reach scripts and one-line records)."""
+        for name, optional in (("model", False), ("data", False), ("metrics", True), ("machine", True),
+                               ("save", True)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if not isinstance(v, str) or not v:
+                bad(f"{name} must be {'a path or null' if optional else 'a name or path'}, got {v!r}")
+            inputs.text(v, f"{where}: {name}")
+        for name in ("metrics", "save"):
+            v = getattr(self, name)
+            if v is not None and (v.endswith("/") or Path(v).is_dir()):
+                bad(f"{name} '{v}' is a folder; give a file name")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,7 +166,7 @@ def _build(cls, d: Any, where: str, prefix: str = ""):
     if not isinstance(d, dict):
         raise UserError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
+    unknown = sorted(str(k) for k in set(d) - names)
     if unknown:
         raise UserError(f"{where}: unknown key '{prefix}{unknown[0]}' (known: {', '.join(sorted(names))})")
     kw = {}
@@ -133,16 +183,9 @@ def config_from_dict(d: Any, where: str = "config") -> LaunchConfig:
 
 
 def load_config(path: str | Path) -> LaunchConfig:
-    p = Path(path)
+    p = Path(inputs.text(str(path), "--config"))
     where = f"config '{p}'"
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UserError(f"cannot read {where}: {e.strerror or e}") from None
-    try:
-        d = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise UserError(f"{where}: malformed YAML") from None
+    d = load_yaml(p, where)
     return config_from_dict(d if d is not None else {}, where)
 
 
@@ -169,7 +212,7 @@ README_NAME = "README.txt"
 def portable_ref(ref: str) -> str:
     """A preset/profile name stays a name; a path becomes absolute, so a run directory works from
     any working directory (the launch scripts cd into it)."""
-    s = str(ref)
+    s = inputs.text(str(ref), "the model or machine")
     p = Path(s)
     if s.endswith((".yaml", ".yml")) or p.exists():
         return str(p.resolve())
@@ -236,13 +279,12 @@ def launch_env(profile) -> list[tuple[str, str, str]]:
 def _env_lines(env) -> list[str]:
     lines = []
     for name, value, why in env:
-        if not name.isidentifier():
-            raise UserError(f"launch environment variable name '{name}' is not a valid shell name")
-        lines.append(f"# {why}")
+        env_name(name)
+        lines.append(comment(why, "launch.source of the machine profile"))
         # a value the user already exported wins
         if "$" in value or "`" in value:
             lines.append("# shellcheck disable=SC2016  # a literal value")
-        lines.append(f'[[ -n "${{{name}:-}}" ]] || export {name}={shlex.quote(value)}')
+        lines.append(f'[[ -n "${{{name}:-}}" ]] || export {name}={quote(value, f"launch.env.{name}")}')
     return lines
 
 
@@ -260,8 +302,8 @@ def torchrun_script(cfg: LaunchConfig, profile) -> str:
     nodes, per = nodes_for(g, profile.gpus_per_node)
     lines = [
         "#!/usr/bin/env bash",
-        f"# axoplan: train {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
-        f"gdata={cfg.grid.gdata} (order {cfg.order}), {g} processes.",
+        comment(f"axoplan: train {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
+                f"gdata={cfg.grid.gdata} (order {cfg.order}), {g} processes.", "the model path"),
         "# One node:    bash launch_torchrun.sh",
         "# Many nodes:  on every node, NNODES=N NODE_RANK=i MASTER_ADDR=host0 [MASTER_PORT=29500] bash launch_torchrun.sh",
         "# Override:    PYTHON=/path/to/python, NPROC_PER_NODE=k (with NNODES*NPROC_PER_NODE = the grid size).",
@@ -291,17 +333,14 @@ def torchrun_script(cfg: LaunchConfig, profile) -> str:
         '  --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \\',
         f'  -m axoplan.cli train --config "$HERE/{CONFIG_NAME}"',
     ]
-    return "\n".join(lines) + "\n"
+    return check_script("\n".join(lines) + "\n")
 
 
 def _directive_safe(s: str) -> bool:
     # #SBATCH lines are not parsed by a shell: only plain characters are safe in them
-    return bool(s) and all(c.isalnum() or c in "._-/" for c in s)
+    return bool(s) and all((c.isascii() and c.isalnum()) or c in "._-/" for c in s)
 
 
-def _slug(s: str) -> str:
-    out = "".join(c if (c.isalnum() or c in "._-") else "-" for c in s)
-    return out.strip("-") or "axoplan"
 
 
 def slurm_time(seconds: float) -> str:
@@ -334,13 +373,14 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
         lines.append("# (no --output directive: the run directory's path has characters #SBATCH cannot quote;")
         lines.append("#  Slurm writes slurm-<jobid>.out in the directory sbatch was called from)")
     lines += [
-        f"# axoplan: {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} "
-        f"(order {cfg.order}) on {nodes} node(s) x {per} {'process(es)' if is_cpu_profile(profile) else 'GPU(s)'} of "
-        f"{profile.name}.",
+        comment(f"axoplan: {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
+                f"gdata={cfg.grid.gdata} (order {cfg.order}) on {nodes} node(s) x {per} "
+                f"{'process(es)' if is_cpu_profile(profile) else 'GPU(s)'} of {profile.name}.",
+                "the model path or the machine profile's name"),
         "# Submit with: sbatch launch_slurm.sbatch   (add your account/partition/QoS options as usual)",
         "set -euo pipefail",
         "# shellcheck disable=SC2016  # the quoted path is literal on purpose",
-        f"RUN_DIR={shlex.quote(rd)}",
+        f"RUN_DIR={quote(rd, 'the run folder path')}",
         'cd "$RUN_DIR"',
         'PYTHON="${PYTHON:-python3}"',
         "# torch's env:// rendezvous: the first node of the allocation hosts the store",
@@ -351,7 +391,7 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
         f'srun --ntasks={g} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
         f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}"',
     ]
-    return "\n".join(lines) + "\n"
+    return check_script("\n".join(lines) + "\n")
 
 
 def _fmt_row(r) -> str:
@@ -412,7 +452,7 @@ def readme_text(cfg: LaunchConfig, profile, chosen, runner_up=None, command: str
             f"  Metrics are printed as JSON lines and appended to {cfg.metrics or '(stdout only)'} in this directory;",
             "  the last line has \"summary\": true and the median time per batch after warm-up.",
             ""]
-    return "\n".join(out)
+    return "\n".join(safe_line(line, "a value written into README.txt") for line in out)
 
 
 def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runner_up=None, command: str = "",
@@ -420,12 +460,9 @@ def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runne
                   slurm_time_s: float | None = None) -> dict[str, Path]:
     """Write config.yaml, launch_torchrun.sh, launch_slurm.sbatch and README.txt into out_dir, each
     atomically; the scripts are made executable."""
-    import os
+    from .atomic import write_files
 
-    from .atomic import atomic_write_text
-
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d = Path(inputs.text(str(out_dir), "the run folder path"))
     if slurm_time_s is None:
         # the predicted run (steps x predicted batch time) with a generous margin for start-up and
         # model error, at least 10 minutes
@@ -436,9 +473,5 @@ def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runne
         SLURM_NAME: (slurm_script(cfg, profile, d, slurm_time_s), 0o755),
         README_NAME: (readme_text(cfg, profile, chosen, runner_up, command, candidates, feasible), 0o644),
     }
-    out = {}
-    for name, (text, mode) in files.items():
-        p = atomic_write_text(d / name, text)
-        os.chmod(p, mode)
-        out[name] = p
-    return out
+    # all four files as one unit under the folder's lock: two emits into one folder never mix
+    return write_files(d, files)

@@ -5,7 +5,6 @@ The YAML speaks GB/s, TFLOP/s, GiB and microseconds for people.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import os
 import sys
@@ -14,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from . import gpu_physics, inputs
 from .errors import UserError
+from .tables import TableError, read_rows
+from .yamlio import load_yaml
 
 GB = 1e9
 GIB = 2**30
@@ -140,6 +141,7 @@ class MachineProfile:
     coll_table: CollectiveTable | None = None
     attn_table: AttentionTable | None = None
     overlap_efficiency: float = 1.0  # share of the shorter of compute and a background collective hidden
+    physics: gpu_physics.GpuPhysics = field(default_factory=gpu_physics.GpuPhysics)  # GPU-only, chosen by fields
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -168,10 +170,10 @@ class MachineProfile:
         """The trainer tunes GEMM layouts on GPUs (bf16) and not on CPU (fp32), by default."""
         return self.dtype != "fp32"
 
-    def replace(self, **kw) -> "MachineProfile":
+    def replace(self, **kw) -> MachineProfile:
         return dataclasses.replace(self, **kw)
 
-    def with_corrections(self, **kw) -> "MachineProfile":
+    def with_corrections(self, **kw) -> MachineProfile:
         return dataclasses.replace(self, corrections=dataclasses.replace(self.corrections, **kw))
 
     # ---- bandwidth of a placed group -----------------------------------------------
@@ -205,10 +207,10 @@ class MachineProfile:
         inter = self.inter_busbw * self.corrections.inter_bw_scale / np.minimum(stride_b, n)
         out[...] = inter
         if np.any(inside):
-            # inside a node both size and stride are at most gpus_per_node: a small lookup table
-            lut = np.array([[self.intra_busbw(a, b) if a >= 2 and b >= 1 and a * b <= n else np.nan
-                             for b in range(n + 1)] for a in range(n + 1)]) * self.corrections.intra_bw_scale
-            out[inside] = lut[size_b[inside], stride_b[inside]]
+            # one table lookup per distinct (size, stride) inside a node, not per candidate or per node size
+            pairs, inv = np.unique(np.stack([size_b[inside], stride_b[inside]], axis=-1), axis=0, return_inverse=True)
+            bw = np.array([self.intra_busbw(int(a), int(b)) if a >= 2 else np.nan for a, b in pairs])
+            out[inside] = bw[inv.reshape(-1)] * self.corrections.intra_bw_scale
         out[size_b <= 1] = np.inf
         return out
 
@@ -251,7 +253,6 @@ class MachineProfile:
 
 def _interp_log_tput(tab: GemmTable, lm, ln, lk, grid):
     """Trilinear interpolation of log throughput on the log2 grid; coordinates already clamped."""
-    out = []
     idx, wts = [], []
     for vals, x in ((tab.m, lm), (tab.n, ln), (tab.k, lk)):
         g = np.log2(vals)
@@ -342,6 +343,45 @@ def profile_names() -> list[str]:
     return sorted(profile_paths())
 
 
+_BUNDLED = Path(__file__).resolve().parent.parent / "machine_profiles"
+_noted: set = set()
+
+
+def _note_local(name: str, path: Path) -> None:
+    """A name that resolves to a file outside the bundled profiles (./machine_profiles or
+    AXOPLAN_PROFILES) shadows the bundled one silently otherwise: say which file is used, once."""
+    real = path.resolve()
+    if real.parent == _BUNDLED or real in _noted:
+        return
+    _noted.add(real)
+    shadow = " instead of the bundled one" if (_BUNDLED / path.name).is_file() else ""
+    print(f"note: machine '{name}' is the local file {path}{shadow}", file=sys.stderr)
+
+
+def _check_launch(section, rd: _Reader, where: str) -> None:
+    """`launch: {env: {NAME: value}, source: ...}` reaches the emitted scripts: names must be shell
+    names and every text printable (a newline in `source` would end a script comment)."""
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        rd.fail("launch", "must be a mapping {env: {NAME: value, ...}, source: ...}")
+    if "source" in section:
+        inputs.text(section["source"] if isinstance(section["source"], str) else str(section["source"]),
+                    f"{where}: field 'launch.source'", allow_empty=True)
+    env = section.get("env")
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        rd.fail("launch.env", "must be a mapping of NAME: value")
+    from .shell import env_name
+
+    for k, v in env.items():
+        env_name(k)
+        if isinstance(v, (dict, list)):
+            rd.fail(f"launch.env.{k}", "must be a single value")
+        inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
+
+
 class _Reader:
     """Reads numbers with their sources, naming the file and field in every error."""
 
@@ -411,21 +451,11 @@ def _check_all_numbers_sourced(node: Any, path: str, rd: _Reader, inherited: boo
 
 
 def _load_gemm_table(path: Path, rd: _Reader) -> GemmTable:
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        rd.fail("compute.gemm.table.path", f"names '{path}', which cannot be read ({e.strerror or e})")
-    need = {"m", "n", "k", "layout", "seconds"}
-    if not rows or not need <= set(rows[0]):
-        rd.fail("compute.gemm.table.path", f"'{path}' needs columns {', '.join(sorted(need))}")
+    rows = _read_csv(path, rd, "compute.gemm.table.path", {"m", "n", "k", "layout", "seconds"},
+                     ints=("m", "n", "k"), floats=("seconds",))
     data: dict = {}
     for r in rows:
-        try:
-            key = (int(float(r["m"])), int(float(r["n"])), int(float(r["k"])))
-            sec = float(r["seconds"])
-        except ValueError:
-            rd.fail("compute.gemm.table.path", f"'{path}' has a non-numeric row: {r}")
+        key, sec = (r["m"], r["n"], r["k"]), r["seconds"]
         lay = r["layout"].strip().upper()
         if lay not in LAYOUTS or sec <= 0:
             continue
@@ -509,15 +539,13 @@ def _pool_strides(points: dict) -> dict:
 
 def _load_collective_table(path: Path, rd: _Reader, gpus_per_node: int) -> CollectiveTable:
     where = "network.intra_node.table.path"
-    rows = _read_csv(path, rd, where, {"collective", "size", "stride", "bytes", "seconds"})
+    rows = _read_csv(path, rd, where, {"collective", "size", "stride", "bytes", "seconds"},
+                     ints=("size", "stride"), floats=("bytes", "seconds", "burst_s"))
     points: dict = {}
     for r in rows:
-        try:
-            key = (r["collective"].strip(), int(float(r["size"])), int(float(r["stride"])))
-            nbytes, sec = float(r["bytes"]), float(r["seconds"])
-            burst = float(r.get("burst_s") or 0.0)
-        except ValueError:
-            rd.fail(where, f"'{path}' has a non-numeric row: {r}")
+        key = (r["collective"].strip(), r["size"], r["stride"])
+        nbytes, sec = r["bytes"], r["seconds"]
+        burst = r.get("burst_s") or 0.0
         if key[0] not in COLLECTIVES:
             rd.fail(where, f"'{path}' names an unknown collective {key[0]!r}")
         # only groups inside one node: across nodes the rings share NICs, which the alpha-beta model handles
@@ -542,27 +570,21 @@ def _load_collective_table(path: Path, rd: _Reader, gpus_per_node: int) -> Colle
     return CollectiveTable(curves, str(path))
 
 
-def _read_csv(path: Path, rd: _Reader, where: str, need: set) -> list[dict]:
+def _read_csv(path: Path, rd: _Reader, where: str, need: set, ints=(), floats=()) -> list[dict]:
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        rd.fail(where, f"names '{path}', which cannot be read ({e.strerror or e})")
-    if not rows or not need <= set(rows[0]):
-        rd.fail(where, f"'{path}' needs columns {', '.join(sorted(need))}")
-    return rows
+        return read_rows(path, need, ints=ints, floats=floats)
+    except TableError as e:
+        rd.fail(where, f"names '{path}', which cannot be read ({e.detail})")
 
 
 def _load_attention_table(path: Path, rd: _Reader) -> AttentionTable:
     where = "compute.attention.table.path"
-    rows = _read_csv(path, rd, where, {"batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"})
+    rows = _read_csv(path, rd, where, {"batch", "heads", "seq", "head_dim", "causal", "pass", "seconds"},
+                     ints=("batch", "heads", "seq", "head_dim"), floats=("seconds",))
     t = {}
     for r in rows:
-        try:
-            key = tuple(int(float(r[k])) for k in ("batch", "heads", "seq", "head_dim"))
-            sec = float(r["seconds"])
-        except ValueError:
-            rd.fail(where, f"'{path}' has a non-numeric row: {r}")
+        key = tuple(r[k] for k in ("batch", "heads", "seq", "head_dim"))
+        sec = r["seconds"]
         if str(r["causal"]).strip().lower() in ("true", "1") and sec > 0:
             t[key + (str(r["pass"]).strip(),)] = sec
     shapes = {}
@@ -604,10 +626,15 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     for key in ("name",):
         if not isinstance(d.get(key), str) or not d.get(key):
             rd.fail(key, "must be a non-empty string")
+    for key in ("name", "description", "device"):
+        if key in d and not isinstance(d[key], str):
+            rd.fail(key, f"must be text, got {d[key]!r}")
+        inputs.text(d.get(key, ""), f"{where}: field '{key}'", allow_empty=key != "name")
+    _check_launch(d.get("launch"), rd, where)
     dtype = d.get("dtype", "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
         rd.fail("dtype", f"must be bf16, fp16 or fp32, got {dtype!r}")
-    unknown = sorted(set(d) - TOP_LEVEL_KEYS)
+    unknown = sorted(str(k) for k in set(d) - TOP_LEVEL_KEYS)
     if unknown:
         rd.fail(unknown[0], f"is not a profile field (known: {', '.join(sorted(TOP_LEVEL_KEYS))})")
     _check_all_numbers_sourced(d, "", rd)
@@ -615,6 +642,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     gpn = rd.num(d, "gpus_per_node")
     if gpn != int(gpn):
         rd.fail("gpus_per_node", "must be an integer")
+    if gpn > inputs.MAX_GPUS_PER_NODE:
+        rd.fail("gpus_per_node", f"must be at most {inputs.MAX_GPUS_PER_NODE}, got {gpn:g}")
     mem = rd.section(d, "memory")
     comp = rd.section(d, "compute")
     gemm = rd.section(comp, "gemm", "compute")
@@ -625,7 +654,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     colls = rd.section(net, "collectives", "network", required=False)
     corr = rd.section(d, "corrections", required=False)
     known_corr = {f.name for f in dataclasses.fields(Corrections)} | {"source"}
-    bad_corr = sorted(set(corr) - known_corr)
+    bad_corr = sorted(str(k) for k in set(corr) - known_corr)
     if bad_corr:
         rd.fail(f"corrections.{bad_corr[0]}", f"is not a correction (known: {', '.join(sorted(known_corr - {'source'}))})")
 
@@ -640,6 +669,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         size, stride = rd.num(g, "size", p), rd.num(g, "stride", p, default=1.0)
         if size != int(size) or stride != int(stride) or size < 2:
             rd.fail(p, "size and stride must be integers, size >= 2")
+        if size * stride > gpn:
+            rd.fail(p, f"spans {size:g} x {stride:g} GPUs, more than gpus_per_node ({gpn:g})")
         parsed_groups.append((int(size), int(stride), rd.num(g, "busbw_gbs", p) * GB))
 
     bw_scale, lat_scale = {}, {}
@@ -685,6 +716,14 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     if not isinstance(causal, bool):
         rd.fail("compute.attention.causal_skip", "must be true or false")
 
+    peak = rd.num(comp, "peak_tflops", "compute")
+    for sec, key, val in (("compute.gemm", "ceiling_tflops", rd.num(gemm, "ceiling_tflops", "compute.gemm")),
+                          ("compute.attention", "tflops", rd.num(attn, "tflops", "compute.attention"))):
+        if val > peak * (1 + 1e-9):
+            # a measured ceiling above the peak is a unit or copy mistake; it would show > 100 % of peak
+            rd.fail(f"{sec}.{key}", f"({val:g} TFLOP/s) is above compute.peak_tflops ({peak:g}); "
+                                    f"no kernel runs faster than the peak")
+
     capacity = rd.num(mem, "capacity_gib", "memory")
     headroom = rd.num(mem, "headroom_gib", "memory", default=0.0, allow_zero=True)
     if headroom >= capacity:
@@ -700,7 +739,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         mem_headroom=headroom * GIB,
         mem_bandwidth=rd.num(mem, "bandwidth_gbs", "memory") * GB,
         elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
-        peak_flops=rd.num(comp, "peak_tflops", "compute") * TFLOP,
+        peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
         gemm_dim_half=rd.num(gemm, "dim_half", "compute.gemm", default=0.0, allow_zero=True),
@@ -718,6 +757,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         coll_table=coll_table,
         attn_table=attn_table,
         overlap_efficiency=_overlap_efficiency(net, rd),
+        physics=gpu_physics.parse(d, rd),
         path=None,
         raw=d,
     )
@@ -727,7 +767,7 @@ def load_profile(name_or_path: str | MachineProfile) -> MachineProfile:
     """A bundled profile name (see `axoplan profiles`) or a path to a profile YAML."""
     if isinstance(name_or_path, MachineProfile):
         return name_or_path
-    s = str(name_or_path)
+    s = inputs.text(str(name_or_path), "--machine")
     p = Path(s)
     if not (s.endswith((".yaml", ".yml")) or p.exists()):
         paths = profile_paths()
@@ -735,16 +775,10 @@ def load_profile(name_or_path: str | MachineProfile) -> MachineProfile:
             raise UserError(f"unknown machine '{s}'; known profiles: {', '.join(sorted(paths)) or 'none'} "
                             f"(or give a YAML path)")
         p = paths[s]
+        _note_local(s, p)
     where = f"machine profile '{p}'"
     if not p.is_file():
         raise UserError(f"machine profile '{s}' does not exist")
-    try:
-        d = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise UserError(f"cannot read {where}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{where}: malformed YAML{at}") from None
+    d = load_yaml(p, where)
     prof = profile_from_dict(d, where, base_dir=p.parent)
     return dataclasses.replace(prof, path=str(p))

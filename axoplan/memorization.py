@@ -37,7 +37,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import append_line, atomic_write_bytes, atomic_write_text
+from . import inputs
+from .atomic import (
+    append_line,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_writable,
+    ensure_dir,
+)
 from .errors import UserError
 
 SUFFIX = 50  # tokens decoded and compared per document (the goldfish paper's setting)
@@ -284,9 +291,14 @@ def resolve_settings(s: StudySettings):
         v = getattr(s, name)
         if v < 1 or (name == "goldfish_k" and v < 2):
             raise UserError(f"--{name.replace('_', '-')} must be at least {2 if name == 'goldfish_k' else 1}, got {v}")
-    if not (s.lr > 0):
-        raise UserError(f"--lr must be positive, got {s.lr}")
-    seq = s.seq_len or spec.seq_len
+    inputs.number(s.lr, "--lr", lo=0, lo_open=True)
+    inputs.number(s.weight_decay, "--weight-decay", lo=0)
+    inputs.count(s.seed, "--seed", 0, inputs.MAX_SEED)
+    if s.seq_len is not None:
+        inputs.count(s.seq_len, "--seq-len", 1, inputs.MAX_SEQ_LEN)
+    inputs.text(str(s.out), "--out")
+    check_writable(Path(s.out) / "summary.json", "--out")  # before hours of training, not after
+    seq = spec.seq_len if s.seq_len is None else s.seq_len
     if seq + 1 <= SUFFIX:
         raise UserError(f"a sequence of {seq} tokens is too short to hold a prompt and the last {SUFFIX} tokens; "
                         f"use --seq-len {SUFFIX} or more")
@@ -399,7 +411,7 @@ def measure_on_ranks(job: dict) -> dict | None:
 
     s = settings_from_dict(job["settings"])
     docs = documents_from_dict(job["documents"])
-    spec, seq, grid, micro = resolve_settings(s)
+    _spec, seq, grid, micro = resolve_settings(s)
     owned = not dist.is_initialized()
     progress_path = Path(s.out) / "progress.jsonl"
 
@@ -455,10 +467,9 @@ def _worker_main(job_path: str) -> int:
 def run_study(s: StudySettings, echo=print) -> dict:
     """Train both losses (in-process for one rank, under torchrun otherwise), then write
     OUT/summary.json, OUT/per_document.csv, OUT/generations.jsonl and OUT/memorization.png."""
-    spec, seq, grid, micro = resolve_settings(s)
+    spec, seq, grid, _micro = resolve_settings(s)
     docs = load_documents(s.docs, seq + 1, s.n_docs, s.n_heldout, s.seed)
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_dir(s.out)
     atomic_write_text(out / "progress.jsonl", "")  # a fresh progress log; lines are appended as they come
     job = {"settings": dataclasses.asdict(s), "documents": documents_to_dict(docs),
            "results_path": str(out / ".runs.json")}
@@ -492,7 +503,7 @@ def _run_torchrun(s: StudySettings, job: dict, out: Path) -> dict:
         env.pop(var, None)  # a study launched from inside another job starts its own world
     if s.threads:
         env["OMP_NUM_THREADS"] = str(s.threads)  # the trainer then leaves torch's thread count alone
-    proc = subprocess.run(cmd, env=env)
+    proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0 or not results.exists():
         raise UserError(f"the {s.nproc}-rank training under torchrun failed (exit code {proc.returncode}); "
                         f"see its output above")

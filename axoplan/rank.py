@@ -7,7 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from . import inputs
 from .costmodel.batch import Evaluation, evaluate
+from .costmodel.memory import KIND_NAMES
+from .costmodel.memory import KINDS as MEMORY_KINDS
 from .errors import UserError
 from .launch import ORDERS
 from .machine import GIB, MachineProfile, load_profile
@@ -60,11 +63,18 @@ def _nothing_feasible(ev: Evaluation, c: Candidates, model: ModelSpec, profile: 
                      f"{job.global_batch}: e.g. {example}")
 
 
-def _setup(model, machine, gpus, global_batch, seq_len):
+def _setup(model, machine, gpus, global_batch, seq_len, micro_batch=None):
+    """The validated inputs of one planning call (a seq_len of 0 is a mistake, not "the model's")."""
+    job = Job(inputs.count(gpus, "--gpus", 1, inputs.MAX_GPUS),
+              inputs.count(global_batch, "--global-batch", 1, inputs.MAX_GLOBAL_BATCH),
+              1 if seq_len is None else inputs.count(seq_len, "--seq-len", 1, inputs.MAX_SEQ_LEN))
+    if micro_batch is not None:
+        inputs.count(micro_batch, "--micro-batch", 1, inputs.MAX_GLOBAL_BATCH)
     m = load_model(model)
     p = load_profile(machine)
-    job = Job(int(gpus), int(global_batch), int(seq_len or m.seq_len)).validate()
-    return m, p, job
+    if seq_len is None:
+        job = Job(job.gpus, job.global_batch, m.seq_len)
+    return m, p, job.validate()
 
 
 def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
@@ -79,7 +89,7 @@ def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, globa
     """
     if top is not None and top <= 0:
         raise UserError(f"top must be a positive integer, got {top}")
-    m, p, job = _setup(model, machine, gpus, global_batch, seq_len)
+    m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch)
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning)
     feas = np.nonzero(ev.feasible)[0]
@@ -117,7 +127,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             blas_tuning: bool | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
     fastest feasible choice for this grid and order."""
-    m, p, job = _setup(model, machine, gpus, global_batch, seq_len)
+    m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid))
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning)
@@ -160,7 +170,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     nf, nb = d["norm"]
     add(nf, ga * (2 * L * (2 if ckpt else 1) + 1))
     add(nb, ga * (2 * L + 1))
-    add(d["loss"], ga)
+    for cl in d["loss"]:
+        add(cl, ga)
     for cl in d["step"]:
         add(cl, 1)
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
@@ -175,14 +186,15 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                           "compute_s": comp * ga, "window_s": total, "exposed_comm_s": max(total - comp * ga, 0.0)})
     windows = pd.DataFrame(wrows)
     mem = ev1.memory
-    memory = pd.DataFrame({"kind": ["parameters, gradients, optimizer state", "gathered weights and gradient blocks",
-                                    "activations", "logits (fp32)", "total", "available (capacity - headroom)"],
-                           "gib": [float(mem.states[0]) / GIB, float(mem.buffers[0]) / GIB,
-                                   float(mem.activations[0]) / GIB, float(mem.logits[0]) / GIB,
-                                   float(mem.total[0]) / GIB, ev1.memory_limit / GIB]})
-    notes = [f"grad_acc={ga} micro-batches of {int(one.micro_batch[0])} sequences per GPU per step",
-             f"data-parallel gradient all-reduce and replicated parameters: {float(d['t_dp'][0]):.4g} s per step; "
-             f"optimizer: {float(d['t_opt'][0]):.4g} s",
+    where = mem.where(0)
+    memory = pd.DataFrame({"kind": [KIND_NAMES[k] for k in MEMORY_KINDS] + ["total (peak)", "available (capacity - headroom)"],
+                           "gib": [float(getattr(mem, k)[0]) / GIB for k in MEMORY_KINDS]
+                           + [float(mem.total[0]) / GIB, ev1.memory_limit / GIB]})
+    memory.attrs["peak_at"] = where
+    notes = [f"memory peaks at: {where}",
+             f"grad_acc={ga} micro-batches of {int(one.micro_batch[0])} sequences per GPU per step",
+             (f"data-parallel gradient all-reduce and replicated parameters: {float(d['t_dp'][0]):.4g} s per step; "
+             f"optimizer: {float(d['t_opt'][0]):.4g} s"),
              "GEMM layouts: " + ("best of all layouts and forms (BLAS tuning)" if (p.blas_tuning if blas_tuning is None
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]
     if bool(ev1.extrapolated[0]):

@@ -55,7 +55,7 @@ class RunSet:
     def __len__(self) -> int:
         return len(self.measured)
 
-    def subset(self, keep: np.ndarray) -> "RunSet":
+    def subset(self, keep: np.ndarray) -> RunSet:
         keep = np.asarray(keep)
         pos = np.nonzero(keep)[0] if keep.dtype == bool else keep
         remap = -np.ones(len(self.measured), dtype=np.int64)
@@ -78,14 +78,11 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
     missing = sorted(need - set(df.columns))
     if missing:
         raise UserError(f"{where} lacks column(s) {', '.join(missing)} (write it with `axoplan validate`)")
-    ok = df[(df["status"] == "ok") & df["measured_time_s"].notna() & (df["measured_time_s"] > 0)].reset_index(drop=True)
+    ok = df[df["status"] == "ok"].reset_index(drop=True)
     if len(ok) == 0:
         raise UserError(f"{where} has no run that finished ok: nothing to fit")
-    bad = sorted(set(ok["order"]) - set(ORDERS))
-    if bad:
-        raise UserError(f"{where}: unknown placement order '{bad[0]}'")
+    seqs = _check_rows(ok, where)
     groups = []
-    seqs = [None if pd.isna(v) or str(v).strip() == "" else int(float(v)) for v in ok["seq_len"]]
     key = pd.Series([f"{m}\0{int(g)}\0{int(b)}\0{s}" for m, g, b, s in
                      zip(ok["model"], ok["gpus"], ok["global_batch"], seqs)], index=ok.index)
     for _, g in ok.groupby(key, sort=False):
@@ -99,6 +96,66 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
         groups.append((m, job, c, g.index.to_numpy()))
     labels = list(ok["candidate"]) if "candidate" in ok else [str(i) for i in range(len(ok))]
     return RunSet(groups, ok["measured_time_s"].to_numpy(float), labels)
+
+
+def _check_rows(ok: pd.DataFrame, where: str) -> list:
+    """Every ok row must describe a run the planner can evaluate: whole positive counts within the
+    planner's bounds, a grid that multiplies to its GPU count, a finite positive measured time.
+    A row that does not is refused (never silently fitted or dropped). Returns the rows' seq_len (None: the model's)."""
+    from . import inputs
+
+    seqs = []
+    for i, r in ok.iterrows():
+        label = f"{where}, run {r.get('candidate', i)}"
+        try:
+            gpus = inputs.count(_num(r["gpus"]), "gpus", 1, inputs.MAX_GPUS)
+            inputs.count(_num(r["global_batch"]), "global_batch", 1, inputs.MAX_GLOBAL_BATCH)
+            grid = [inputs.count(_num(r[k]), k, 1, inputs.MAX_GPUS) for k in ("gx", "gy", "gz", "gdata")]
+            inputs.count(_num(r["micro_batch"]), "micro_batch", 1, inputs.MAX_GLOBAL_BATCH)
+            inputs.number(_num(r["measured_time_s"]), "measured_time_s", lo=0, lo_open=True)
+            seq = r["seq_len"]
+            seqs.append(None if pd.isna(seq) or str(seq).strip() == "" else
+                        inputs.count(_num(seq), "seq_len", 1, inputs.MAX_SEQ_LEN))
+        except UserError as e:
+            raise UserError(f"{label}: {e}") from None
+        if int(np.prod(grid)) != gpus:
+            raise UserError(f"{label}: the grid {'x'.join(map(str, grid))} multiplies to {int(np.prod(grid))}, "
+                            f"not its gpus {gpus}")
+        if r["order"] not in ORDERS:
+            raise UserError(f"{label}: unknown placement order {r['order']!r}")
+    return seqs
+
+
+def _num(v):
+    """A table cell as a number for the checks (NaN stays NaN and is refused there)."""
+    if isinstance(v, str):
+        v = v.strip()
+        try:
+            return float(v) if v else float("nan")
+        except ValueError:
+            return v
+    return v
+
+
+def check_results_file(path: str | Path) -> None:
+    """Refuse, in one sentence, a results file refit cannot read: unreadable, binary, not UTF-8, or
+    without the columns a validate sweep writes."""
+    import csv
+    import io
+
+    from .yamlio import read_text
+
+    where = f"results file '{path}'"
+    body = read_text(path, where, 256 * 2**20)
+    try:
+        head = next(csv.reader(io.StringIO(body, newline="")), [])
+    except csv.Error:
+        head = []
+    need = {"candidate", "model", "gpus", "global_batch", "seq_len", "gx", "gy", "gz", "gdata", "order",
+            "micro_batch", "checkpointing", "measured_time_s", "status", "wall_s"}
+    missing = sorted(need - set(head))
+    if missing:
+        raise UserError(f"{where} lacks column(s) {', '.join(missing)} (write it with `axoplan validate`)")
 
 
 def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = None) -> np.ndarray:
@@ -347,7 +404,7 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     src = Path(profile.path)
     d = yaml.safe_load(src.read_text())
     name = out.stem
-    today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    today = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
     d["name"] = name
     d["description"] = f"{d.get('description', '')} [corrections refit {today} by axoplan refit]".strip()
     for section, sub in (("compute", "gemm"), ("compute", "attention"), ("network", "intra_node")):
@@ -370,7 +427,7 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
 
 def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo: bool = True) -> Report:
     """What `axoplan refit` does: read results, fit, write the new profile atomically."""
-    from .atomic import atomic_write_text
+    from .atomic import atomic_write_text, check_writable
     from .validate import read_results
 
     out = Path(out)
@@ -379,6 +436,8 @@ def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo
     profile = load_profile(machine)
     if profile.path and out.resolve() == Path(profile.path).resolve():
         raise UserError(f"--out '{out}' is the input profile itself; refit writes a new profile and never edits the old one")
+    check_writable(out, "--out")  # before the fit, which can take a while
+    check_results_file(results)
     df = read_results(results)
     runs = runs_from_results(df, f"results file '{results}'")
     r = refit_profile(profile, runs, params, loo)
@@ -390,5 +449,17 @@ def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo
     return r
 
 
-__all__ = ["PARAMS", "DOC", "RunSet", "Fit", "Report", "runs_from_results", "predict", "choose_params", "fit",
-           "refit_profile", "format_report", "refit"]
+__all__ = [
+    "DOC",
+    "PARAMS",
+    "Fit",
+    "Report",
+    "RunSet",
+    "choose_params",
+    "fit",
+    "format_report",
+    "predict",
+    "refit",
+    "refit_profile",
+    "runs_from_results",
+]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from . import inputs
 from .errors import UserError
 from .machine import MachineProfile, load_profile
 from .specs import ModelSpec, load_model
@@ -38,10 +39,10 @@ def parse_gpus(spec: str) -> list[int]:
         raise UserError("--gpus is empty; give counts like 128,256,512 or a range like 128..8192")
     out: set[int] = set()
     for part in s.split(","):
-        m = re.fullmatch(r"(\d+)\.\.(\d+)(?:([x*+])(\d+))?", part)
+        m = re.fullmatch(r"([0-9]+)\.\.([0-9]+)(?:([x*+])([0-9]+))?", part, flags=re.ASCII)
         if m:
-            lo, hi = int(m.group(1)), int(m.group(2))
-            op, step = m.group(3) or "x", int(m.group(4) or 2)
+            lo, hi = (inputs.count(m.group(i), f"--gpus range '{part}'", 1, inputs.MAX_GPUS) for i in (1, 2))
+            op, step = m.group(3) or "x", inputs.count(m.group(4) or "2", f"--gpus range '{part}' step", 1)
             if lo <= 0 or hi < lo:
                 raise UserError(f"--gpus range '{part}' must go from a positive count up to a larger one")
             if (op in "x*" and step < 2) or (op == "+" and step < 1):
@@ -52,8 +53,8 @@ def parse_gpus(spec: str) -> list[int]:
                 if len(out) > MAX_COUNTS:
                     raise UserError(f"--gpus '{spec}' gives more than {MAX_COUNTS} counts; use a coarser range")
                 v = v * step if op in "x*" else v + step
-        elif part.isdigit() and int(part) > 0:
-            out.add(int(part))
+        elif re.fullmatch(r"[0-9]+", part, flags=re.ASCII):
+            out.add(inputs.count(part, f"--gpus entry '{part}'", 1, inputs.MAX_GPUS))
         else:
             raise UserError(f"--gpus entry '{part}' is not a positive count or a range like 128..8192")
     if len(out) > MAX_COUNTS:
@@ -61,7 +62,7 @@ def parse_gpus(spec: str) -> list[int]:
     return sorted(out)
 
 
-def parse_tokens(spec: str | float | int) -> float:
+def parse_tokens(spec: str | float) -> float:
     """'2T', '300B', '1.5e12', '500M' -> tokens (decimal suffixes: K, M, B or G, T, P)."""
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         value = float(spec)
@@ -82,9 +83,9 @@ def parse_pairs(spec: str) -> list[tuple[str, int]]:
         if not part:
             continue
         model, sep, g = part.rpartition(":")
-        if not sep or not model or not g.isdigit() or int(g) <= 0:
+        if not sep or not model or not re.fullmatch(r"[0-9]+", g, flags=re.ASCII):
             raise UserError(f"--weak entry '{part}' must be MODEL:GPUS, e.g. gpt-5b:512")
-        pairs.append((model, int(g)))
+        pairs.append((inputs.text(model, "--weak model"), inputs.count(g, f"--weak entry '{part}'", 1, inputs.MAX_GPUS)))
     if not pairs:
         raise UserError("--weak is empty; give pairs like gpt-5b:512,gpt-10b:1024")
     return pairs
@@ -156,7 +157,7 @@ def sweep(points: list[Point], machine: str | MachineProfile, global_batch: int,
     if not feasible.any():
         raise UserError(f"no GPU count has a feasible configuration: {df['reason'].iloc[0]}")
 
-    seqs = [seq_len or p.model.seq_len for p in points]
+    seqs = [p.model.seq_len if seq_len is None else seq_len for p in points]
     tokens_per_batch = np.array([global_batch * s for s in seqs], dtype=np.float64)
     useful = np.array([p.model.flops_per_token(s, recompute=False) for p, s in zip(points, seqs)]) * tokens_per_batch
     gpus = df["gpus"].to_numpy(dtype=np.float64)

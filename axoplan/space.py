@@ -7,9 +7,8 @@ place, so for each grid only orders that differ in the sequence of their non-uni
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from .launch import ORDERS
 from .specs import ModelSpec
 
 AXES = "xyz"
+MAX_CANDIDATES = 2_000_000
 
 
 def divisors(n: int) -> np.ndarray:
@@ -92,7 +92,7 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.gx)
 
-    def take(self, idx) -> "Candidates":
+    def take(self, idx) -> Candidates:
         return Candidates(*(getattr(self, f)[idx] for f in CANDIDATE_FIELDS))
 
 
@@ -129,6 +129,12 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
     else:
         mbs = micro_batch_choices(global_batch, max_micro_batch)
     ck = {"both": [False, True], "on": [True], "off": [False]}[checkpointing]
+    n = len(gi) * len(mbs) * len(ck)
+    if n > MAX_CANDIDATES:
+        # evaluation holds every candidate in memory at once (about 1 KiB each)
+        raise UserError(f"{gpus} GPUs with global batch {global_batch} give {n:,} candidate configurations, more than "
+                        f"the {MAX_CANDIDATES:,} axoplan evaluates at once; fix --micro-batch, --order or "
+                        f"--checkpointing, or choose a GPU count with fewer factors")
     # checkpointing outermost: with "both" the second half repeats the first with it on, which lets the
     # cost model evaluate everything that does not depend on it once (see costmodel.batch.evaluate)
     base_g = np.repeat(gi, len(mbs))

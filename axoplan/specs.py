@@ -9,14 +9,14 @@ communicated, so the planner and the trainer both leave them out.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from . import inputs
 from .errors import UserError
+from .yamlio import load_yaml
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -110,18 +110,27 @@ class ModelSpec:
             extra = -2 * self.hidden * self.padded_vocab
         return factor * fwd + extra
 
-    def validate(self, where: str = "model") -> "ModelSpec":
+    def validate(self, where: str = "model") -> ModelSpec:
         def bad(msg: str) -> None:
             raise UserError(f"{where}: {msg}")
 
-        for f in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "vocab_multiple"):
+        if not isinstance(self.name, str) or not self.name.strip():
+            bad(f"field 'name' must be a non-empty string, got {self.name!r}")
+        for f in ("name", "description", "source"):
             v = getattr(self, f)
+            if not isinstance(v, str):
+                bad(f"field '{f}' must be text, got {v!r}")
+            inputs.text(v, f"{where}: field '{f}'", allow_empty=f != "name")
+        for f in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "vocab_multiple", "n_kv_heads", "ffn_hidden"):
+            v = getattr(self, f)
+            if v is None and f in ("n_kv_heads", "ffn_hidden"):
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(f"field '{f}' must be a positive integer, got {v!r}")
-        for f in ("n_kv_heads", "ffn_hidden"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                bad(f"field '{f}' must be a positive integer or absent, got {v!r}")
+                bad(f"field '{f}' must be a positive integer{' or absent' if f in ('n_kv_heads', 'ffn_hidden') else ''}, "
+                    f"got {v!r}")
+            hi = MODEL_LIMITS.get(f, inputs.MAX_COUNT)
+            if v > hi:
+                bad(f"field '{f}' must be at most {hi:,}, got {inputs._short(v)}")
         if self.hidden % self.n_heads:
             bad(f"hidden ({self.hidden}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
@@ -149,14 +158,17 @@ class Job:
     def tokens_per_batch(self) -> int:
         return self.global_batch * self.seq_len
 
-    def validate(self) -> "Job":
-        if not isinstance(self.gpus, int) or self.gpus <= 0:
-            raise UserError(f"--gpus must be a positive integer, got {self.gpus!r}")
-        if not isinstance(self.global_batch, int) or self.global_batch <= 0:
-            raise UserError(f"--global-batch must be a positive integer (sequences), got {self.global_batch!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len <= 0:
-            raise UserError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
+    def validate(self) -> Job:
+        inputs.count(self.gpus, "--gpus", 1, inputs.MAX_GPUS)
+        inputs.count(self.global_batch, "--global-batch", 1, inputs.MAX_GLOBAL_BATCH)
+        inputs.count(self.seq_len, "--seq-len", 1, inputs.MAX_SEQ_LEN)
         return self
+
+
+# Bounds on a model's sizes: far above any real model (GPT-1T has 25,600 hidden, 128 layers), low
+# enough that every product the planner forms stays exact in int64 and float64.
+MODEL_LIMITS = {"n_layers": 2**16, "hidden": 2**20, "n_heads": 2**16, "n_kv_heads": 2**16, "ffn_hidden": 2**22,
+                "vocab": 2**24, "seq_len": inputs.MAX_SEQ_LEN, "vocab_multiple": 2**16}
 
 
 # ---- presets and YAML ----------------------------------------------------------------
@@ -174,7 +186,7 @@ def preset_names() -> list[str]:
 def model_from_dict(d: Any, where: str) -> ModelSpec:
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected a mapping of model fields at the top level")
-    unknown = sorted(set(d) - _FIELDS)
+    unknown = sorted(str(k) for k in set(d) - _FIELDS)
     if unknown:
         raise UserError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(_FIELDS))})")
     for req in ("name", "n_layers", "hidden", "n_heads", "vocab"):
@@ -184,23 +196,14 @@ def model_from_dict(d: Any, where: str) -> ModelSpec:
 
 
 def _read_yaml(path: Path | Any, where: str) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"cannot read {where}: {e.strerror or e}") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{where}: malformed YAML{at}") from None
+    return load_yaml(path, where)
 
 
 def load_model(name_or_path: str | ModelSpec) -> ModelSpec:
     """A preset name (see `axoplan models`) or a path to a model YAML."""
     if isinstance(name_or_path, ModelSpec):
         return name_or_path
-    s = str(name_or_path)
+    s = inputs.text(str(name_or_path), "--model")
     p = Path(s)
     if s.endswith((".yaml", ".yml")) or p.exists():
         if not p.is_file():

@@ -2,24 +2,26 @@
 (srun), c10d rendezvous on the first node, then the fit on the collected results."""
 from __future__ import annotations
 
-import shlex
+from axoplan.shell import comment, join, quote
+from axoplan.shell import slug as _slug
 
 
 def sbatch_script(nodes: int, nproc_per_node: int, out: str, results: str, quick: bool, models: str | None,
                   device: str = "auto", time_limit: str = "01:00:00", port: int = 29500) -> str:
     gpus = device != "cpu"
-    name = out.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    # #SBATCH lines are read by sbatch, not a shell: only a slug of the name goes there
+    name = _slug(out.rsplit("/", 1)[-1].rsplit(".", 1)[0])
     worker = (["--results", results] + (["--quick"] if quick else []) + (["--models", models] if models else [])
               + (["--device", device] if device != "auto" else []))
     fit = ["axoplan", "calibrate", "--from-results", results, "--out", out]
-    cmd = (f"axoplan calibrate --emit-slurm {nodes} --nproc {nproc_per_node} --out {out}"
-           + (" --quick" if quick else "")
-           + (f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else ""))
+    cmd = join(["axoplan", "calibrate", "--emit-slurm", str(nodes), "--nproc", str(nproc_per_node), "--out", out]
+               + (["--quick"] if quick else []) + (["--models", models] if models else [])
+               + (["--device", device] if device != "auto" else []), "calibrate --out/--results/--models")
     gpu_line = f"#SBATCH --gpus-per-node={nproc_per_node}\n" if gpus else ""
     return f"""#!/bin/bash
-# Written by `{cmd}`.
+{comment(f"Written by: {cmd}")}
 # Measures GEMMs, memory and collectives on {nodes} node(s) x {nproc_per_node} ranks, including the groups
-# that cross nodes, then fits and writes the profile {out}. Submit with: sbatch <this file>
+{comment(f"that cross nodes, then fits and writes the profile {quote(out, '--out')}. Submit with: sbatch <this file>")}
 #SBATCH --job-name=axoplan-calibrate-{name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
@@ -30,7 +32,7 @@ def sbatch_script(nodes: int, nproc_per_node: int, out: str, results: str, quick
 ##SBATCH --partition=YOUR_PARTITION
 set -euo pipefail
 
-RESULTS={shlex.quote(results)}
+RESULTS={quote(results, "--results")}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 mkdir -p "$RESULTS"
 
@@ -39,8 +41,8 @@ srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 \\
   python -m torch.distributed.run \\
     --nnodes="$SLURM_NNODES" --nproc-per-node={nproc_per_node} \\
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{port}" --rdzv-id="$SLURM_JOB_ID" \\
-    -m calibration.worker {shlex.join(worker)} --command {shlex.quote(cmd)}
+    -m calibration.worker {join(worker, "calibrate options")} --command {quote(cmd, "the command line")}
 
 # fit alpha/beta, GEMM curve and memory numbers; write the profile atomically
-{shlex.join(fit)}
+{join(fit, "calibrate --out")}
 """

@@ -18,9 +18,21 @@ class DistEnv:
     launcher: str  # "torchrun", "srun" or "single"
 
 
+def _int(env, key: str, default: int | None = None, lo: int = 0) -> int:
+    """An integer the launcher put in the environment; anything else is one sentence, not a traceback."""
+    raw = env.get(key)
+    if raw is None or (raw == "" and default is not None):
+        return default
+    s = raw.strip()
+    if not re.fullmatch(r"[0-9]{1,9}", s) or int(s) < lo:
+        raise UserError(f"environment variable {key} must be a whole number >= {lo}, got {raw!r} "
+                        f"(set by torchrun or srun; unset it to run a single process)")
+    return int(s)
+
+
 def _slurm_tasks_per_node(env) -> int:
     if env.get("SLURM_NTASKS_PER_NODE"):
-        return int(env["SLURM_NTASKS_PER_NODE"])
+        return _int(env, "SLURM_NTASKS_PER_NODE", lo=1)
     m = re.match(r"(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))  # e.g. "4(x2)"
     return int(m.group(1)) if m else 1
 
@@ -28,15 +40,22 @@ def _slurm_tasks_per_node(env) -> int:
 def read_env(env=None) -> DistEnv:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        ws = int(env["WORLD_SIZE"])
-        return DistEnv(int(env["RANK"]), ws, int(env.get("LOCAL_RANK", 0)),
-                       int(env.get("LOCAL_WORLD_SIZE", ws)), "torchrun")
+        ws = _int(env, "WORLD_SIZE", lo=1)
+        return _checked(DistEnv(_int(env, "RANK"), ws, _int(env, "LOCAL_RANK", 0),
+                                _int(env, "LOCAL_WORLD_SIZE", ws, lo=1), "torchrun"))
     # srun sets SLURM_STEP_ID for the tasks it starts; the batch script itself has no step id,
     # so `axoplan train` run directly in an sbatch script stays a single process
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                       _slurm_tasks_per_node(env), "srun")
+        return _checked(DistEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS", lo=1),
+                                _int(env, "SLURM_LOCALID", 0), _slurm_tasks_per_node(env), "srun"))
     return DistEnv(0, 1, 0, 1, "single")
+
+
+def _checked(de: DistEnv) -> DistEnv:
+    if de.rank >= de.world_size:
+        raise UserError(f"the environment says rank {de.rank} of a world of {de.world_size} processes; "
+                        f"the rank must be below the world size")
+    return de
 
 
 def export_for_env_init(de: DistEnv, env=None) -> None:
