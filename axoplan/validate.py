@@ -490,9 +490,13 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
     """Score results.csv, save summary.json and ranking.png, print the scores."""
     res = read_results(out / RESULTS_FILE)
     s = score(res)
-    atomic_write_text(out / SUMMARY_FILE, json.dumps(s, indent=1) + "\n")
-    plot(res, out / PLOT_FILE, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret "
-                                              f"{100 * s['regret']:.1f}%)" if s.get("kendall_tau") is not None else ""))
+    try:
+        atomic_write_text(out / SUMMARY_FILE, json.dumps(s, indent=1) + "\n")
+        plot(res, out / PLOT_FILE, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret "
+                                                  f"{100 * s['regret']:.1f}%)" if s.get("kendall_tau") is not None
+                                                  else ""))
+    except OSError as e:
+        raise _write_error(out, e) from None
     echo(format_score(s))
     echo(f"wrote {out / RESULTS_FILE}, {out / SUMMARY_FILE}, {out / PLOT_FILE}")
     return s

@@ -178,7 +178,7 @@ class SweepLock:
         # written in place under the lock (a rename would give later sweeps another file to lock);
         # a record cut short by a crash is unreadable, and the environment marker still finds the runs
         rec = {"pid": os.getpid(), "start": proc_start(os.getpid()), "host": socket.gethostname(),
-               "runs": self.runs}
+               "boot": _boot_id(), "runs": self.runs}
         data = (json.dumps(rec) + "\n").encode()
         try:
             os.ftruncate(self.fd, 0)
@@ -209,9 +209,9 @@ class SweepLock:
     def end_orphans(self, echo: Callable[[str], None] = print, grace_s: float = 10.0) -> int:
         """End every process an earlier sweep on this folder left running (it was killed, so nobody
         waits for them): they would share the cores and the run folder with the runs we start."""
-        host = self.left.get("host")
         groups, procs = [], []
-        if host in (None, socket.gethostname()):
+        # start times count from boot: a record from another host or an earlier boot names no process here
+        if self.left.get("host") == socket.gethostname() and self.left.get("boot") == _boot_id():
             for r in self.left.get("runs") or []:
                 pgid, st = r.get("pgid"), r.get("start")
                 if isinstance(pgid, int) and pgid > 1 and st is not None and proc_start(pgid) == st:
@@ -246,6 +246,14 @@ def active() -> SweepLock | None:
 
 def marker_env() -> dict:
     return {MARKER: str(_active.folder.resolve())} if _active is not None else {}
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _read_json_fd(fd: int) -> dict:

@@ -138,10 +138,21 @@ def test_a_stale_or_unreadable_lock_is_taken_over(tmp_path, pm_path):
     out = tmp_path / "sw"
     out.mkdir()
     # a dead sweep's record: a pid that is not running (or is another process by now: its start time differs)
-    (out / "sweep.lock").write_text(json.dumps({"pid": 999999, "start": "1", "host": os.uname().nodename,
-                                                "runs": [{"pgid": os.getpid(), "start": "1", "candidate": "c01"}]}))
+    here = {"pid": 999999, "start": "1", "host": os.uname().nodename, "boot": P._boot_id()}
+    (out / "sweep.lock").write_text(json.dumps(dict(here, runs=[{"pgid": os.getpid(), "start": "1",
+                                                                  "candidate": "c01"}])))
     s = V.run_sweep(sweep(pm_path, top_k=1), out, echo=lambda s: None, launcher=launcher_of([summary_cmd(1.0)]))
     assert s["ok"] == 1  # this test's own process (whose pid the record names) was left alone
+    # a recorded run group still alive (same pid and start time) is ended, marker or not
+    orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        (out / "sweep.lock").write_text(json.dumps(dict(here, runs=[{"pgid": orphan.pid,
+                                                                      "start": P.proc_start(orphan.pid)}])))
+        lines = []
+        V.run_sweep(sweep(pm_path, top_k=1), out, resume=True, echo=lines.append)
+        assert orphan.wait(timeout=5) == -signal.SIGTERM and any(str(orphan.pid) in l for l in lines)
+    finally:
+        orphan.kill()
     (out / "sweep.lock").write_bytes(b"\xff\x00garbage")
     s = V.run_sweep(sweep(pm_path, top_k=1), out, resume=True, echo=lambda s: None,
                     launcher=launcher_of([summary_cmd(1.0)]))
