@@ -55,23 +55,26 @@ def _zero(n):
     return 0.0  # a scalar broadcasts for free
 
 
-def overlapped(a, b, eta: float = 1.0):
+def overlapped(a, b, eta: float = 1.0, slow: float = 0.0):
     """Two activities run side by side: max(a, b) when they share nothing (eta 1), their sum when
     the one cannot progress while the other runs (eta 0, e.g. CPU ranks with no core to spare for a
-    background collective)."""
-    return a + b - eta * np.minimum(a, b)
+    background collective). With slow > 0 (GPU profiles) compute a runs 1 + slow times slower while
+    collective b runs beside it: max(b, a + b * slow / (1 + slow)) in place of max(a, b)."""
+    if not slow:
+        return a + b - eta * np.minimum(a, b)
+    return (1 - eta) * (a + b) + eta * np.maximum(b, a + b * (slow / (1 + slow)))
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
-                eta: float = 1.0):
+                eta: float = 1.0, slow: float = 0.0):
     """Total time of prefix + block * n_blocks + suffix, with identical blocks evaluated once."""
 
     def window_time(w: Window, nxt: Window | None):
         if oag:
             z = (nxt.ag if nxt is not None else 0.0) + (w.rs if ors else 0.0)
-            return overlapped(w.compute + w.blocking + (0.0 if ors else w.rs), z, eta)
+            return overlapped(w.compute + w.blocking + (0.0 if ors else w.rs), z, eta, slow)
         if ors:
-            return w.ag + overlapped(w.compute + w.blocking, w.rs, eta)
+            return w.ag + overlapped(w.compute + w.blocking, w.rs, eta, slow)
         return w.ag + w.compute + w.blocking + w.rs
 
     total = prefix[0].ag if oag else 0.0
@@ -150,6 +153,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     kf, kb = K.KERNELS_FWD_PER_BLOCK * ko, K.KERNELS_BWD_PER_BLOCK * ko
     k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
     eta = profile.overlap
+    slow = profile.physics.overlap_slowdown
     g = C.place(profile, c)
     if profile.coll_table is not None:
         # measured collectives depend on the compute before each call (ranks sharing cores): the
@@ -184,13 +188,13 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     def bwd_window(i, with_ag):
         gm, cl = gem[i], col[i]
         ar = cl["ar_bwd"].seconds
-        exposed_ar = overlapped(gm.wgrad, ar, eta) - gm.wgrad if overlap else ar
+        exposed_ar = overlapped(gm.wgrad, ar, eta, slow) - gm.wgrad if overlap else ar
         return Window(lins[i].name, gm.dgrad + gm.wgrad + extra_b[i], exposed_ar + norm_block_f[i],
                       cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
 
     ar_lm = col_lm["ar_bwd"].seconds
     lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 3 * k_out_b / 4,
-                  (overlapped(gem_lm.wgrad, ar_lm, eta) - gem_lm.wgrad if overlap else ar_lm) + norm_b.seconds,
+                  (overlapped(gem_lm.wgrad, ar_lm, eta, slow) - gem_lm.wgrad if overlap else ar_lm) + norm_b.seconds,
                   col_lm["ag"].seconds, col_lm["rs"].seconds)
     emb_b = Window("embedding", ew_emb + k_out_b / 4, _zero(n), _zero(n), col_emb["rs"].seconds)
 
@@ -198,12 +202,12 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     rec_b = [] if explain else None
     rec_bc = [] if explain else None
     L = model.n_layers
-    t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f, eta)
+    t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f, eta, slow)
     bwd_plain = [bwd_window(i, True) for i in reversed(range(4))]
-    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b, eta)
+    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b, eta, slow)
     recompute = [Window(w.name + " (recompute)", w.compute, w.blocking, w.ag, w.rs) for w in fwd_block]
     bwd_ck = recompute + [bwd_window(i, False) for i in reversed(range(4))]
-    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc, eta)
+    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc, eta, slow)
     t_bwd = np.where(ck, t_bwd_ck, t_bwd_plain)
 
     # ---- compute and communication totals per micro-batch ------------------------------------

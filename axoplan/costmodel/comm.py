@@ -37,20 +37,49 @@ class Groups:
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True):
+def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndarray]:
+    """(members per node, nodes spanned) of groups of p members `stride` GPUs apart."""
+    p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
+    per_node = np.clip(np.floor(profile.gpus_per_node / np.maximum(np.asarray(stride, dtype=np.float64), 1.0)), 1.0, p)
+    return per_node, np.ceil(p / per_node)
+
+
+def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
+    """Fixed seconds of one collective in NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc): a base
+    cost per call, then per ring pass each step inside a node at the intra-node latency and each node
+    crossing at the network latency (an all-reduce is two passes); across nodes an all-reduce may
+    take the tree, (members per node - 1) intra-node steps and log2(nodes) network hops, up and down."""
+    c = profile.corrections.latency_scale
+    a_in, a_net = profile.intra_latency * c, profile.inter_latency * c
+    p = np.asarray(p, dtype=np.float64)
+    m, n = group_nodes(profile, p, stride)
+    passes = 2.0 if kind == "all_reduce" else 1.0
+    ring = passes * ((p - n) * a_in + (n - 1) * a_net)  # p-1 steps of which n-1 cross a node boundary
+    if kind == "all_reduce":
+        tree = 2.0 * ((m - 1) * a_in + np.ceil(np.log2(n)) * a_net)
+        ring = np.where(n > 1, np.minimum(ring, tree), ring)
+    t = (profile.physics.base_latency * c + ring) * profile.coll_lat_scale[kind]
+    return np.where(p > 1, t, 0.0)
+
+
+def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True, stride=1):
     """Ring collectives: all-reduce moves 2(p-1)/p of the buffer in 2(p-1) steps, all-gather and
     reduce-scatter (p-1)/p in p-1 steps (nbytes: the per-GPU buffer of an all-reduce, the full
     gathered buffer of an all-gather, the full input of a reduce-scatter: nccl-tests conventions).
     Across nodes an all-reduce may take NCCL's tree instead, whose latency grows as log2(p): the
-    cheaper step count is used there (it only matters for small messages over large groups)."""
+    cheaper step count is used there (it only matters for small messages over large groups).
+    A profile with network.latency_model 'nccl' takes nccl_latency instead of steps x latency."""
     p = np.asarray(p, dtype=np.float64)
     hops = 2.0 if kind == "all_reduce" else 1.0
-    steps = p - 1
-    if kind == "all_reduce":
-        tree = np.ceil(np.log2(np.maximum(p, 1)))
-        steps = np.where(inside, steps, np.minimum(steps, tree))
     per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
-    fixed = hops * steps * latency * profile.coll_lat_scale[kind]
+    if profile.physics.latency_model == "nccl":
+        fixed = nccl_latency(profile, kind, p, stride)
+    else:
+        steps = p - 1
+        if kind == "all_reduce":
+            tree = np.ceil(np.log2(np.maximum(p, 1)))
+            steps = np.where(inside, steps, np.minimum(steps, tree))
+        fixed = hops * steps * latency * profile.coll_lat_scale[kind]
     fixed = fixed + np.where(p > 1, profile.corrections.collective_overhead_s, 0.0)
     return per_byte, fixed
 
@@ -73,15 +102,15 @@ def place(profile: MachineProfile, c: Candidates, burst=0.0) -> Groups:
         lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
         inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
     per_byte, fixed = {}, {}
-    for a in size:
+    for a, sz in size.items():
         for kind in KINDS:
-            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a],
-                                                                    inside[a])
+            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, sz, busbw[a], lat[a],
+                                                                    inside[a], stride[a])
     shapes = None
     if profile.coll_table is not None:
         shapes = {}
-        for a in size:
-            pairs = np.stack(np.broadcast_arrays(size[a], stride[a]), axis=-1).reshape(-1, 2)
+        for a, sz in size.items():
+            pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
     return Groups(size, stride, busbw, lat, per_byte, fixed, shapes, burst)
 
@@ -119,9 +148,9 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
     return out + c.collective_overhead_s
 
 
-def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True) -> np.ndarray:
+def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True, stride=1) -> np.ndarray:
     """Seconds of one collective over a group of p (0 when p == 1)."""
-    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency, inside)
+    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency, inside, stride)
     return np.asarray(nbytes, dtype=np.float64) * per_byte + fixed
 
 

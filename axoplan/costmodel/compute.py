@@ -48,14 +48,22 @@ def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuni
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of the local attention over n_heads/gy heads: from the profile's
     attention table where it measured the local sequence and head size (the shape itself, or
-    interpolated over batch x heads: AttentionTable.seconds), else its FLOP at the profile's rate."""
+    interpolated over batch x heads: AttentionTable.seconds), else its FLOP at the profile's rate: the
+    throughput table's at this sequence length and head size where the profile has one (GPU profiles),
+    backward FLOP = backward_factor x forward at the table's backward rate."""
     heads = model.n_heads // np.asarray(gy)
     flop = 4.0 * micro_batch * seq_len * seq_len * model.head_dim * heads
     if profile.attn_causal_skip:
         flop = flop / 2
     scale = profile.corrections.gemm_scale
-    fwd = flop / (profile.attn_flops * scale)
-    bwd = fwd * profile.attn_bwd_factor
+    rates = profile.physics.attention_rates(seq_len, model.head_dim)
+    if rates is None:
+        fwd = flop / (profile.attn_flops * scale)
+        bwd = fwd * profile.attn_bwd_factor
+    else:
+        # the kernel's measured rate at this sequence and head size (short sequences waste causal tiles)
+        fwd = flop / (rates[0] * scale)
+        bwd = flop * profile.attn_bwd_factor / (rates[1] * scale)
     tab = profile.attn_table
     if tab is not None:
         mb_b, h_b = np.broadcast_arrays(np.asarray(micro_batch), heads)
