@@ -225,6 +225,16 @@ def no_space(folder: Path) -> str | None:
     return None
 
 
+def _read_tail(path: Path, cap: int = 16 << 20) -> str:
+    """The last cap bytes of a log (the summary is its last line): a log grown huge, or a device in
+    its place, is never read whole."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            f.seek(size - cap)
+        return f.read(cap).decode(errors="replace")
+
+
 def run_one(run_dir: Path, gpus: int, timeout_s: float,
             launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher) -> RunResult:
     """Run one candidate, its output in run_dir/run.log; a run past timeout_s is killed (whole tree).
@@ -236,10 +246,11 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     lock = P.active()
     t0 = time.monotonic()
     try:
-        log = open(log_path, "wb")  # noqa: SIM115 (closed by the with below; an open failure is infra)
+        # unbuffered: nothing of ours is left to flush at close, where a full disk would raise
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     except OSError as e:
         return _infra(f"cannot write {LOG_NAME}: {(e.strerror or str(e)).lower()}")
-    with log:
+    try:
         try:
             proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -261,14 +272,18 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
                 lock.finished()
         wall = time.monotonic() - t0
         try:  # the log must take our own line too: a run whose output did not fit was not its own failure
-            log.write(f"\n{_TRAILER} exit code {rc} after {wall:.1f} s\n".encode())
-            log.flush()
-            os.fsync(log.fileno())
+            os.write(log, f"\n{_TRAILER} exit code {rc} after {wall:.1f} s\n".encode())
+            os.fsync(log)
             log_error = None
         except OSError as e:
             log_error = (e.strerror or str(e)).lower()
+    finally:
+        try:
+            os.close(log)
+        except OSError:
+            pass
     try:
-        text = log_path.read_text(errors="replace")
+        text = _read_tail(log_path)
     except OSError as e:
         return _infra(f"cannot read {LOG_NAME} back: {(e.strerror or str(e)).lower()}", wall)
     res = parse_log(text)
