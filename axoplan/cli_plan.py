@@ -72,7 +72,7 @@ def profiles():
         try:
             p = load_profile(str(path))
         except UserError as e:
-            t.add_row(name, "[invalid]", "", "", "", "", "", "", "", str(e))
+            t.add_row(name, "(invalid)", "", "", "", "", "", "", "", str(e))
             continue
         intra = ", ".join(f"{s}@{st}:{bw / 1e9:.0f}" for s, st, bw in p.intra_groups)
         t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.4g}",

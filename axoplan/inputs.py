@@ -29,20 +29,20 @@ _INT = re.compile(r"^[+]?[0-9]+$")
 def count(value: Any, name: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
     """value as an integer in [lo, hi] (an int, or ASCII digits), else UserError naming `name`."""
     if isinstance(value, bool):
-        raise UserError(f"{name} must be a whole number, got {value!r}")
+        raise UserError(f"{name} must be a whole number, got {show(value)}")
     if isinstance(value, str):
         s = value.strip().replace("_", "")
         if not _INT.match(s) or len(s) > 30:
-            raise UserError(f"{name} must be a whole number written in digits, got {value!r}")
+            raise UserError(f"{name} must be a whole number written in digits, got {show(value)}")
         value = int(s)
     elif isinstance(value, numbers.Integral):
         value = int(value)  # numpy integers from tables
     elif isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int):
-        raise UserError(f"{name} must be a whole number, got {value!r}")
+        raise UserError(f"{name} must be a whole number, got {show(value)}")
     if value < lo:
-        raise UserError(f"{name} must be at least {lo}, got {value}")
+        raise UserError(f"{name} must be at least {lo}, got {_short(value)}")
     if value > hi:
         raise UserError(f"{name} must be at most {hi:,} (the largest count axoplan enumerates), got {_short(value)}")
     return value
@@ -51,13 +51,13 @@ def count(value: Any, name: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
 def number(value: Any, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
     """value as a finite float in the given range, else UserError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise UserError(f"{name} must be a number, got {value!r}")
+        raise UserError(f"{name} must be a number, got {show(value)}")
     try:
         v = float(value)
     except (ValueError, OverflowError):
-        raise UserError(f"{name} must be a number, got {value!r}") from None
+        raise UserError(f"{name} must be a number, got {show(value)}") from None
     if not math.isfinite(v):
-        raise UserError(f"{name} must be a finite number, got {value!r}")
+        raise UserError(f"{name} must be a finite number, got {show(value)}")
     if lo is not None and (v < lo or (lo_open and v == lo)):
         raise UserError(f"{name} must be {'greater than' if lo_open else 'at least'} {lo:g}, got {v:g}")
     if hi is not None and v > hi:
@@ -68,6 +68,12 @@ def number(value: Any, name: str, lo: float | None = None, hi: float | None = No
 def _short(v: int) -> str:
     s = str(v)
     return s if len(s) <= 24 else f"a number of {len(s)} digits"
+
+
+def show(v: Any) -> str:
+    """repr(v) for an error sentence, cut short: a pasted megabyte must not become the message."""
+    r = repr(v)
+    return r if len(r) <= 60 else f"{r[:40]}... ({len(r)} characters)"
 
 
 def bad_char(s: str) -> str | None:
@@ -82,7 +88,7 @@ def bad_char(s: str) -> str | None:
 def text(value: Any, name: str, allow_empty: bool = False) -> str:
     """A name, path or label: a string without control characters, of reasonable length."""
     if not isinstance(value, str):
-        raise UserError(f"{name} must be text, got {value!r}")
+        raise UserError(f"{name} must be text, got {show(value)}")
     if not value and not allow_empty:
         raise UserError(f"{name} must not be empty")
     c = bad_char(value)

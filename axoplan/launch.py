@@ -80,38 +80,38 @@ class LaunchConfig:
         for name in ("gx", "gy", "gz", "gdata"):
             v = getattr(self.grid, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(f"grid.{name} must be a positive integer, got {v!r}")
+                bad(f"grid.{name} must be a positive integer, got {inputs.show(v)}")
         if self.order not in ORDERS:
-            bad(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+            bad(f"order must be one of {', '.join(ORDERS)}, got {inputs.show(self.order)}")
         for name, hi in (("global_batch", inputs.MAX_GLOBAL_BATCH), ("micro_batch", inputs.MAX_GLOBAL_BATCH),
                          ("steps", inputs.MAX_STEPS)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                bad(f"{name} must be a positive integer, got {v!r}")
+                bad(f"{name} must be a positive integer, got {inputs.show(v)}")
             if v > hi:
                 bad(f"{name} must be at most {hi:,}, got {inputs._short(v)}")
         if self.grid.size > inputs.MAX_GPUS:
             bad(f"the grid has {self.grid.size:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
         if (not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0
                 or self.warmup_steps > inputs.MAX_STEPS):
-            bad(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+            bad(f"warmup_steps must be a non-negative integer, got {inputs.show(self.warmup_steps)}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
                                          or not 0 < self.seq_len <= inputs.MAX_SEQ_LEN):
-            bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {self.seq_len!r}")
+            bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {inputs.show(self.seq_len)}")
         self._validate_training(bad)
         self._validate_text(bad, where)
         for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("collective_dtype", ("auto", "fp32", "bf16")),
                               ("blas_tuning", ("auto", "on", "off")), ("backend", ("auto", "nccl", "gloo"))):
             if getattr(self, name) not in allowed:
-                bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                bad(f"{name} must be one of {', '.join(allowed)}, got {inputs.show(getattr(self, name))}")
         mif = self.overlap.max_inflight_reduce_scatters
         if not isinstance(mif, int) or isinstance(mif, bool) or mif < 1:
-            bad(f"overlap.max_inflight_reduce_scatters must be a positive integer, got {mif!r}")
+            bad(f"overlap.max_inflight_reduce_scatters must be a positive integer, got {inputs.show(mif)}")
         if self.goldfish is not None:
             if not isinstance(self.goldfish.k, int) or isinstance(self.goldfish.k, bool) or self.goldfish.k < 2:
-                bad(f"goldfish.k must be an integer >= 2, got {self.goldfish.k!r}")
+                bad(f"goldfish.k must be an integer >= 2, got {inputs.show(self.goldfish.k)}")
             if not isinstance(self.goldfish.h, int) or isinstance(self.goldfish.h, bool) or self.goldfish.h < 1:
-                bad(f"goldfish.h must be a positive integer, got {self.goldfish.h!r}")
+                bad(f"goldfish.h must be a positive integer, got {inputs.show(self.goldfish.h)}")
         return self
 
     def _validate_training(self, bad) -> None:
@@ -119,18 +119,18 @@ class LaunchConfig:
         def num(name, v, lo_open):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (lo_open and v == 0):
-                bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {v!r}")
+                bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {inputs.show(v)}")
 
         num("lr", self.lr, True)
         num("weight_decay", self.weight_decay, False)
         num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:
-            bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {self.seed!r}")
+            bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {inputs.show(self.seed)}")
         for name in ("all_reduce", "reduce_scatter", "all_gather"):
             if not isinstance(getattr(self.overlap, name), bool):
-                bad(f"overlap.{name} must be true or false, got {getattr(self.overlap, name)!r}")
+                bad(f"overlap.{name} must be true or false, got {inputs.show(getattr(self.overlap, name))}")
         if not isinstance(self.checkpointing, bool):
-            bad(f"checkpointing must be true or false, got {self.checkpointing!r}")
+            bad(f"checkpointing must be true or false, got {inputs.show(self.checkpointing)}")
 
     def _validate_text(self, bad, where: str) -> None:
         """Names and paths: text without control characters (they reach scripts and one-line records)."""
@@ -140,7 +140,7 @@ class LaunchConfig:
             if v is None and optional:
                 continue
             if not isinstance(v, str) or not v:
-                bad(f"{name} must be {'a path or null' if optional else 'a name or path'}, got {v!r}")
+                bad(f"{name} must be {'a path or null' if optional else 'a name or path'}, got {inputs.show(v)}")
             inputs.text(v, f"{where}: {name}")
         for name in ("metrics", "save"):
             v = getattr(self, name)

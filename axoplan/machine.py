@@ -415,8 +415,11 @@ class _Reader:
                 self.fail(full, "must be a number or {value: ..., source: ...}")
             v = v["value"]  # sources were checked for the whole file by _check_all_numbers_sourced
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.fail(full, f"must be a number, got {v!r}")
-        v = float(v)
+            self.fail(full, f"must be a number, got {inputs.show(v)}")
+        try:
+            v = float(v)
+        except OverflowError:  # an integer beyond float range
+            self.fail(full, f"must be a finite number, got {inputs.show(v)}")
         if not np.isfinite(v) or v < 0 or (positive and not allow_zero and v == 0):
             self.fail(full, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
         return v
@@ -622,18 +625,18 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         raise UserError(f"{where}: expected a mapping at the top level")
     schema = d.get("schema", SCHEMA)
     if schema != SCHEMA:
-        rd.fail("schema", f"must be '{SCHEMA}', got {schema!r}")
+        rd.fail("schema", f"must be '{SCHEMA}', got {inputs.show(schema)}")
     for key in ("name",):
         if not isinstance(d.get(key), str) or not d.get(key):
             rd.fail(key, "must be a non-empty string")
     for key in ("name", "description", "device"):
         if key in d and not isinstance(d[key], str):
-            rd.fail(key, f"must be text, got {d[key]!r}")
+            rd.fail(key, f"must be text, got {inputs.show(d[key])}")
         inputs.text(d.get(key, ""), f"{where}: field '{key}'", allow_empty=key != "name")
     _check_launch(d.get("launch"), rd, where)
     dtype = d.get("dtype", "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
-        rd.fail("dtype", f"must be bf16, fp16 or fp32, got {dtype!r}")
+        rd.fail("dtype", f"must be bf16, fp16 or fp32, got {inputs.show(dtype)}")
     unknown = sorted(str(k) for k in set(d) - TOP_LEVEL_KEYS)
     if unknown:
         rd.fail(unknown[0], f"is not a profile field (known: {', '.join(sorted(TOP_LEVEL_KEYS))})")

@@ -115,11 +115,11 @@ class ModelSpec:
             raise UserError(f"{where}: {msg}")
 
         if not isinstance(self.name, str) or not self.name.strip():
-            bad(f"field 'name' must be a non-empty string, got {self.name!r}")
+            bad(f"field 'name' must be a non-empty string, got {inputs.show(self.name)}")
         for f in ("name", "description", "source"):
             v = getattr(self, f)
             if not isinstance(v, str):
-                bad(f"field '{f}' must be text, got {v!r}")
+                bad(f"field '{f}' must be text, got {inputs.show(v)}")
             inputs.text(v, f"{where}: field '{f}'", allow_empty=f != "name")
         for f in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "vocab_multiple", "n_kv_heads", "ffn_hidden"):
             v = getattr(self, f)
@@ -127,7 +127,7 @@ class ModelSpec:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(f"field '{f}' must be a positive integer{' or absent' if f in ('n_kv_heads', 'ffn_hidden') else ''}, "
-                    f"got {v!r}")
+                    f"got {inputs.show(v)}")
             hi = MODEL_LIMITS.get(f, inputs.MAX_COUNT)
             if v > hi:
                 bad(f"field '{f}' must be at most {hi:,}, got {inputs._short(v)}")
@@ -136,11 +136,11 @@ class ModelSpec:
         if self.n_heads % self.kv_heads:
             bad(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
         if self.mlp not in MLP_KINDS:
-            bad(f"field 'mlp' must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
+            bad(f"field 'mlp' must be one of {', '.join(MLP_KINDS)}, got {inputs.show(self.mlp)}")
         if self.norm not in NORM_KINDS:
-            bad(f"field 'norm' must be one of {', '.join(NORM_KINDS)}, got {self.norm!r}")
+            bad(f"field 'norm' must be one of {', '.join(NORM_KINDS)}, got {inputs.show(self.norm)}")
         if self.position not in POSITION_KINDS:
-            bad(f"field 'position' must be one of {', '.join(POSITION_KINDS)}, got {self.position!r}")
+            bad(f"field 'position' must be one of {', '.join(POSITION_KINDS)}, got {inputs.show(self.position)}")
         if self.position == "rope" and self.head_dim % 2:
             bad(f"rope needs an even head dimension, got {self.head_dim}")
         return self
