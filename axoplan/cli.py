@@ -78,6 +78,12 @@ def main(argv=None):
         sys.exit(2)
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:
+        # the last net under the one output writer: a file system refusal a command did not word itself
+        if e.filename is None:
+            raise
+        click.echo(f"error: cannot use '{e.filename}': {(e.strerror or str(e)).lower()}", err=True)
+        sys.exit(2)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

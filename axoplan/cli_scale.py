@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from . import inputs
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_write_bytes, atomic_write_text, check_writable
 from .errors import UserError
 from .launch import ORDERS
 from .scale import (
@@ -154,6 +154,9 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
         raise UserError(f"--micro-batch must be a positive integer, got {micro_batch}")
     if plot is not None and not plot.lower().endswith(".png"):
         raise UserError(f"--plot writes a PNG; give a file name ending in .png, got '{plot}'")
+    for path, what in ((output, "--output"), (plot, "--plot")):
+        if path is not None:
+            check_writable(path, what)  # before the planning, so a bad path loses nothing
     tokens = parse_tokens(tokens_spec) if tokens_spec is not None else None
     kw = {"order": order, "micro_batch": micro_batch, "overlap": not no_overlap}
     if weak_spec is not None:

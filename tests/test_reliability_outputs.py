@@ -98,13 +98,29 @@ def test_a_folder_is_refused(tmp_path):
     ["scale", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2,4", "--global-batch", "8",
      "--output", "{f}/s.txt"],
     ["memorization", "--model", "gpt-tiny", "--out", "{f}/mem", "--repeats", "1"],
+    ["scale", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2,4", "--global-batch", "8",
+     "--plot", "{f}/p.png"],
+    ["explain", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2", "--global-batch", "4",
+     "--grid", "1,1,1,2", "--output", "{f}/e.txt"],
 ])
 def test_an_output_under_a_file_is_one_sentence(tmp_path, capsys, argv):
     f = tmp_path / "afile"
     f.write_text("keep me")
-    code, _, err = run_cli([a.replace("{f}", str(f)) for a in argv], capsys)
+    code, out, err = run_cli([a.replace("{f}", str(f)) for a in argv], capsys)
     one_sentence(code, err)
-    assert f.read_text() == "keep me"
+    assert f.read_text() == "keep me" and out == ""  # refused before any result was printed
+
+
+def test_a_file_system_error_no_command_worded_is_still_one_sentence(capsys, monkeypatch):
+    import axoplan.cli_plan
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", "/some/where")
+
+    monkeypatch.setattr(axoplan.cli_plan, "rank_api", denied)
+    code, _, err = run_cli(RANK, capsys)
+    one_sentence(code, err)
+    assert "/some/where" in err
 
 
 def test_refit_output_under_a_file_is_refused_before_the_fit(tmp_path, capsys):
