@@ -24,7 +24,10 @@ GPUs) (megatron/training/training.py num_floating_point_operations for a GPT wit
 Errors are |predicted/measured - 1| of time per iteration; Kendall tau ranks tokens/s/GPU, predicted vs
 measured, within one model on one machine (groups of 3 or more runs), averaged over the groups.
 
-    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N]
+--ablate adds each GPU mechanism's share (issue 15): the tables again with all profile physics off, then each
+one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap).
+
+    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate]
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from scipy.stats import kendalltau
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from axoplan.errors import UserError
+from axoplan.gpu_physics import GpuPhysics
 from axoplan.machine import GB, GIB, load_profile
 from axoplan.rank import explain
 from axoplan.specs import ModelSpec, load_model
@@ -275,6 +279,37 @@ def summarise(rows: list[dict]) -> dict:
             "median_exposed_share": float(np.median([r["exposed_share"] for r in ok])) if ok else None}
 
 
+ABLATIONS = {  # name -> the GpuPhysics fields kept from the profile
+    "no GPU physics": (),
+    "attention table only": ("attn_rates",),
+    "NCCL latency only": ("latency_model", "base_latency"),
+    "overlap slowdown only": ("overlap_slowdown",),
+    "all (as profiled)": ("attn_rates", "latency_model", "base_latency", "overlap_slowdown"),
+}
+
+
+def ablated(profiles: dict, keep: tuple) -> dict:
+    """The profiles with only the named GpuPhysics fields kept (the others at their neutral default)."""
+    out = {}
+    for ds, p in profiles.items():
+        off = GpuPhysics()
+        kw = {f.name: getattr(p.physics if f.name in keep else off, f.name) for f in dataclasses.fields(GpuPhysics)}
+        out[ds] = p.replace(physics=GpuPhysics(**kw))
+    return out
+
+
+def ablation(runs: list, profiles: dict) -> dict:
+    """Per ablation and dataset: mean error and median predicted/measured."""
+    res = {}
+    for name, keep in ABLATIONS.items():
+        profs = ablated(profiles, keep)
+        rows = [{"dataset": r.dataset, "group": r.group, **predict(r, profs[r.dataset])} for r in runs]
+        res[name] = {ds: summarise([x for x in rows if x["dataset"] == ds])
+                     for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
+        res[name]["overall"] = summarise(rows)
+    return res
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -288,6 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--format", choices=["table", "json"], default="table")
     ap.add_argument("--excluded", action="store_true", help="list every row left out, with its reason")
     ap.add_argument("--worst", type=int, default=3, help="worst rows shown per dataset")
+    ap.add_argument("--ablate", action="store_true", help="also each GPU mechanism's share (physics off / one on)")
     args = ap.parse_args(argv)
 
     profiles = machine_profiles()
@@ -310,10 +346,12 @@ def main(argv=None) -> int:
         summary[ds]["worst"] = sorted(ok, key=lambda r: -abs(np.log(r["ratio"])))[:args.worst]
     allok = [r for r in rows if "ratio" in r]
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
+    abl = ablation(runs, profiles) if args.ablate else None
 
     if args.format == "json":
         json.dump({**meta, "datasets": summary, "overall": summarise(allok),
                    "excluded": [{"source": s, "label": lab, "reason": why} for s, lab, why in excluded],
+                   **({"ablation": abl} if abl else {}),
                    "rows": rows}, sys.stdout, indent=1, default=str)
         print()
         return 0
@@ -343,6 +381,12 @@ def main(argv=None) -> int:
             print(f"  {ds:22} {r['label'][:44]:44} {r['grid']:>12} mb{r['micro_batch']:<3} "
                   f"{'ck' if r['checkpointing'] else '  '} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
                   f"{r['ratio']:5.2f} {flags}")
+    if abl:
+        print("\nGPU mechanisms (issue 15), mean error / median pred/meas per dataset:")
+        print(f"  {'':24}" + "".join(f"{ds[:20]:>21}" for ds in datasets + ["overall"]))
+        for name, res in abl.items():
+            print(f"  {name:24}" + "".join(f"{res[ds]['mean_err_pct']:>13.0f}% {res[ds]['median_ratio']:5.2f}"
+                                           for ds in datasets + ["overall"]))
     errs = [r for r in rows if "error" in r]
     for r in errs:
         print(f"  not predicted: {r['dataset']} {r['label']}: {r['error']}")
