@@ -106,7 +106,12 @@ def _stage(results: Path, keep: bool) -> Path:
         if keep:
             for f in results.iterdir():
                 if f.is_file() and (f.suffix == ".csv" or f.name == "meta.json"):
-                    shutil.copy2(f, staging / f.name)
+                    # a hard link costs no space: the worker unlinks a table before measuring it again,
+                    # and meta.json is replaced, so the complete run's files are never written through it
+                    try:
+                        os.link(f, staging / f.name)
+                    except OSError:
+                        shutil.copy2(f, staging / f.name)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"cannot prepare the measurement beside '{results}': {(e.strerror or str(e)).lower()}") from None
