@@ -8,6 +8,7 @@ import sys
 import click
 
 from .errors import UserError
+from .inputs import check_argv
 
 # command name -> (module, attribute, one-line help shown by `axoplan --help`)
 COMMANDS = {
@@ -62,6 +63,7 @@ def cli():
 
 def main(argv=None):
     try:
+        check_argv(sys.argv[1:] if argv is None else list(argv))
         rv = cli.main(args=argv, prog_name="axoplan", standalone_mode=False)
     except UserError as e:
         click.echo(f"error: {e}", err=True)

@@ -100,6 +100,21 @@ def text(value: Any, name: str, allow_empty: bool = False) -> str:
     return value
 
 
+def check_argv(args: list[str]) -> None:
+    """No command-line argument may hold a control character: every name and path a command takes
+    can reach a script, a YAML file or a one-line record. Names the option the value belongs to."""
+    for i, a in enumerate(args):
+        if bad_char(a) is None:
+            continue
+        if a.startswith("--") and "=" in a:
+            name = a.split("=", 1)[0]
+        elif i > 0 and args[i - 1].startswith("-") and bad_char(args[i - 1]) is None:
+            name = args[i - 1]
+        else:
+            name = f"argument {i + 1}"
+        text(a, name)
+
+
 # ---- click parameter types: the CLI's side of the same checks (a UserError passes through click to
 # the CLI's one-sentence handler, naming the option) ---------------------------------------------------
 def _label(param, ctx) -> str:  # the option as the user typed it, e.g. --gpus

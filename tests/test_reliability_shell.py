@@ -164,3 +164,20 @@ def test_readme_and_config_carry_no_control_characters():
     cfg = LaunchConfig(model="x\ny.yaml")
     with pytest.raises(UserError, match="control character"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2", "--global-batch", "4", "--slurm",
+     "--out", "v\ntouch PWNED"],
+    ["calibrate", "--out", "a\ntouch PWNED\n#.yaml", "--emit-slurm", "2"],
+    ["emit", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2", "--global-batch", "4",
+     "--out=r\rx"],
+    ["memorization", "--model", "gpt-tiny", "--out", "m\x00"],
+    ["scale", "--machine", "localhost-cpu", "--weak", "gpt-tiny\x1b:2", "--global-batch", "8"],
+    ["train", "--config", "c\x85.yaml"],
+])
+def test_every_command_refuses_control_characters_in_its_arguments(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "control character" in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())
