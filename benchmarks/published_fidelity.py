@@ -13,6 +13,8 @@ Mapping to the 4D space (gx, gy, gz, gdata):
   Z; data parallelism (DDP, Megatron DP, ZeRO-1) is D.
 - Selective activation recomputation (Megatron, torchtitan) is not in the space: mapped to checkpointing off
   (it recomputes only cheap ops), and marked "~sel" in the rows.
+- The attention kernel a source ran, where it is not the profile's FlashAttention-2 (llm-foundry's Triton
+  kernel, about half its rate): machines.yaml attention_kernel_scale, with its source.
 - Micro-batch a source does not state: the model's fastest feasible choice for the grid; unstated recompute in
   Megatron-Core: its default, none (--recompute-granularity unset).
 Left out (listed with --excluded, counted always): pipeline parallelism, fp8, torch.compile (fused kernels the
@@ -223,7 +225,9 @@ LOADERS = [llmfoundry, torchtitan, megatron_core, korthikanti, bloom]
 
 
 def machine_profiles() -> dict:
-    """Profile per dataset, with the published machine's own memory facts where they differ."""
+    """Profile per dataset, with the published machine's own memory facts where they differ, and the
+    attention kernel the runs used where it is not the profile's (attention_kernel_scale: its rate over
+    the profile's throughput table, forward and backward)."""
     spec = yaml.safe_load((DATA / "machines.yaml").read_text())
     out = {}
     for ds, d in spec.items():
@@ -235,6 +239,11 @@ def machine_profiles() -> dict:
             kw["mem_headroom"] = d["headroom_gib"]["value"] * GIB
         if "bandwidth_gbs" in d:
             kw["mem_bandwidth"] = d["bandwidth_gbs"]["value"] * GB
+        if "attention_kernel_scale" in d:
+            f = d["attention_kernel_scale"]["value"]
+            rates = tuple((hd, s, tuple(x * f for x in fw), tuple(x * f for x in bw))
+                          for hd, s, fw, bw in p.physics.attn_rates)
+            kw["physics"] = dataclasses.replace(p.physics, attn_rates=rates)
         out[ds] = p.replace(**kw) if kw else p
     return out
 
