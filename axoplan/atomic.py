@@ -43,10 +43,10 @@ def _umask() -> int:
 def ensure_dir(path: str | Path) -> Path:
     """Create a folder (and its parents) for outputs, or say in one sentence why it cannot be."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"cannot create the folder '{path}': a file of that name exists")
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as e:
-        raise _fail(path, e, "create the folder") from None
     except OSError as e:
         raise _fail(path, e, "create the folder") from None
     if not path.is_dir():
@@ -65,6 +65,9 @@ def _target(path: Path) -> tuple[Path, os.stat_result | None]:
     real = Path(os.path.realpath(path)) if path.is_symlink() else path
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise OutputError(f"cannot write '{path}': it is a folder")
+    if st is not None and stat.S_ISREG(st.st_mode) and not os.access(real, os.W_OK):
+        # a file the user made read-only is protected on purpose: refuse rather than rename over it
+        raise OutputError(f"cannot write '{path}': the file is read-only")
     return real, st
 
 

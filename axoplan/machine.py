@@ -781,7 +781,7 @@ def load_profile(name_or_path: str | MachineProfile) -> MachineProfile:
         _note_local(s, p)
     where = f"machine profile '{p}'"
     if not p.is_file():
-        raise UserError(f"machine profile '{s}' does not exist")
+        raise UserError(f"machine profile '{s}' {'is not a file' if p.exists() else 'does not exist'}")
     d = load_yaml(p, where)
     prof = profile_from_dict(d, where, base_dir=p.parent)
     return dataclasses.replace(prof, path=str(p))

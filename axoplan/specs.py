@@ -207,7 +207,7 @@ def load_model(name_or_path: str | ModelSpec) -> ModelSpec:
     p = Path(s)
     if s.endswith((".yaml", ".yml")) or p.exists():
         if not p.is_file():
-            raise UserError(f"model file '{s}' does not exist")
+            raise UserError(f"model file '{s}' {'is not a file' if p.exists() else 'does not exist'}")
         return model_from_dict(_read_yaml(p, f"model file '{s}'"), f"model file '{s}'")
     res = _preset_dir() / f"{s}.yaml"
     if not res.is_file():

@@ -3,6 +3,8 @@ crashing: bounded size, UTF-8 text only, no aliases (billion laughs), bounded ne
 problem one sentence naming the file."""
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ def read_text(path: Any, where: str, max_bytes: int = MAX_BYTES) -> str:
     """A file's text: refused in one sentence if unreadable, too large, binary or not UTF-8."""
     try:
         if isinstance(path, (str, Path)):
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                # a FIFO would block forever, a device never ends, a folder is not a file
+                raise UserError(f"{where} is not a regular file")
             with open(path, "rb") as f:
                 data = f.read(max_bytes + 1)
         else:  # a packaged resource (importlib.resources)

@@ -386,3 +386,15 @@ def test_refit_accepts_the_good_results(tmp_path, capsys):
                             str(tmp_path / "n.yaml"), "--no-loo", "--params", "step_overhead_s"], capsys)
     assert code == 0, err
     assert os.path.exists(tmp_path / "n.yaml") and not pd.isna(load_profile(str(tmp_path / "n.yaml")).peak_flops)
+
+
+def test_a_fifo_or_device_as_an_input_file_is_refused_without_blocking(tmp_path):
+    from axoplan.yamlio import read_text
+
+    fifo = tmp_path / "m.yaml"
+    os.mkfifo(fifo)
+    for p in (fifo, Path(os.devnull), tmp_path):
+        with pytest.raises(UserError, match="not a regular file"):
+            read_text(p, "f")
+    with pytest.raises(UserError, match="is not a file"):
+        load_model(str(fifo))

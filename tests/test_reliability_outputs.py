@@ -208,3 +208,21 @@ def test_emit_writes_its_files_under_the_folder_lock(tmp_path, capsys):
     assert finished.is_set()
     assert sorted(p.name for p in out.iterdir()) == ["README.txt", "config.yaml", "launch_slurm.sbatch",
                                                      "launch_torchrun.sh"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file")
+def test_a_read_only_file_is_not_replaced(tmp_path):
+    p = tmp_path / "keep.txt"
+    p.write_text("mine")
+    os.chmod(p, 0o444)
+    with pytest.raises(OutputError, match="read-only"):
+        atomic_write_text(p, "other")
+    assert p.read_text() == "mine"
+
+
+def test_an_emit_folder_that_is_a_file_is_one_sentence(tmp_path):
+    from axoplan.atomic import ensure_dir
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OutputError, match="a file of that name exists"):
+        ensure_dir(tmp_path / "f")
