@@ -62,7 +62,8 @@ def overlapped(a, b, eta: float = 1.0, slow: float = 0.0):
     collective b runs beside it: max(b, a + b * slow / (1 + slow)) in place of max(a, b)."""
     if not slow:
         return a + b - eta * np.minimum(a, b)
-    return (1 - eta) * (a + b) + eta * np.maximum(b, a + b * (slow / (1 + slow)))
+    slowed = np.maximum(b, a + b * (slow / (1 + slow)))
+    return slowed if eta == 1 else (1 - eta) * (a + b) + eta * slowed  # eta 1 (GPUs): no extra array pass
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
