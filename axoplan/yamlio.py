@@ -14,6 +14,7 @@ from .errors import UserError
 
 MAX_BYTES = 4 * 2**20  # the largest bundled profile is 12 KiB; tables live in CSV files beside it
 MAX_DEPTH = 64  # profiles nest four levels; deeper is a mistake, and 100k levels would overflow the stack
+MAX_NODES = 100_000  # values in one file (a profile holds a few hundred); bounds the time to build them
 
 
 class _Loader(yaml.SafeLoader):
@@ -58,9 +59,36 @@ def read_text(path: Any, where: str, max_bytes: int = MAX_BYTES) -> str:
         raise UserError(f"{where} is not UTF-8 text") from None
 
 
+_FAST = getattr(yaml, "CSafeLoader", None)  # libyaml: the same safe loader, in C
+_OPEN = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+_CLOSE = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
+
+
+def _prescan(text: str) -> None:
+    """Walk the parser's events (no objects built): refuse aliases, deep nesting and huge node counts
+    before anything is constructed."""
+    depth = nodes = 0
+    for ev in yaml.parse(text, Loader=_FAST):
+        if isinstance(ev, yaml.AliasEvent):
+            raise UserError("uses a YAML alias (*name); write the value out instead")
+        if isinstance(ev, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise UserError(f"nests deeper than {MAX_DEPTH} levels")
+        elif isinstance(ev, _CLOSE):
+            depth -= 1
+        if isinstance(ev, (yaml.ScalarEvent, *_OPEN)):
+            nodes += 1
+            if nodes > MAX_NODES:
+                raise UserError(f"holds more than {MAX_NODES:,} values; is it the right file?")
+
+
 def parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)
+        if _FAST is None:
+            return yaml.load(text, Loader=_Loader)  # a SafeLoader that refuses aliases and deep nesting
+        _prescan(text)
+        return yaml.load(text, Loader=_FAST)  # a safe loader; aliases and depth were refused above
     except UserError as e:
         raise UserError(f"{where} {e}") from None
     except yaml.YAMLError as e:

@@ -133,6 +133,7 @@ def _files(tmp_path) -> dict:
         "hugeint.yaml": TINY.replace("n_layers: 2", "n_layers: " + "9" * 400).encode(),
         "laughs.yaml": laughs.encode(),
         "large.yaml": b"# " + b"x" * (5 * 2**20) + b"\n",
+        "many_values.yaml": b"a:\n" + b"- 1\n" * 200_000,
         "name_null.yaml": TINY.replace("name: gpt-tiny", "name: null").encode(),
         "name_list.yaml": TINY.replace("name: gpt-tiny", "name: [a, b]").encode(),
         "name_newline.yaml": TINY.replace("name: gpt-tiny", 'name: "a\\nb"').encode(),

@@ -67,7 +67,7 @@ def test_a_control_character_in_any_shell_value_is_refused(c):
             f(f"a{c}b")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=hostile)
 def test_hostile_text_in_a_model_path_stays_inert_in_every_script(tmp_path, name):
     plain = _scripts(tmp_path, "/nonexistent/plain.yaml")
@@ -132,7 +132,7 @@ def test_a_newline_in_a_profile_name_or_launch_section_is_refused(tmp_path, fiel
         load_profile(str(_profile_with(tmp_path, name, launch)))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(source=hostile, value=hostile)
 def test_hostile_launch_source_and_values_stay_inert(tmp_path, source, value):
     prof = load_profile(str(_profile_with(tmp_path, "pm", {"env": {"AXO_X": value}, "source": source})))
