@@ -30,7 +30,8 @@ def _check_out(out: str | None) -> Path:
 
 
 def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, device: str, command: str,
-                 extra: list[str], log_path: Path | None = None, append: bool = False) -> float:
+                 extra: list[str], log_path: Path | None = None, append: bool = False,
+                 env_extra: dict | None = None) -> float:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -52,6 +53,7 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    env.update(env_extra or {})  # the marker by which a later calibration finds workers a killed one left
     t0 = time.time()
     with open(log_path, "a" if adding else "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
                                               MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
@@ -70,6 +72,10 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
             proc.terminate()
             proc.wait()
             raise
+        except OSError as e:  # the log cannot take the workers' output (disk full): stop them, say so
+            proc.terminate()
+            proc.wait()
+            raise UserError(f"cannot write the workers' log '{log_path}': {(e.strerror or str(e)).lower()}") from None
     if rc != 0:
         last = _last_error_line(log_path)
         raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
@@ -286,8 +292,6 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
 
         for m in models.split(","):
             load_model(m.strip())  # an unknown preset fails here, not in the workers
-    from calibration.profile_writer import CalibrationError, fits_csv
-    from calibration.results_io import ResultsDir
 
     add_args: list[str] = []
     if parts is not None:
@@ -330,25 +334,47 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
         command = f"axoplan calibrate --nproc {nproc} --out {out_p}" + (" --quick" if quick else "") + (
             f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "") + (
             f" --parts {parts}" if parts else "")
-        if parts is not None or _complete(results_p):
-            # the complete run there stays whole until this one has finished: measured beside it, then moved
-            # over it file by file (an interrupted run leaves it as it was, usable by --parts and --from-results)
-            import shutil
+        from .validate_proc import FolderLock
 
-            staging = _stage(results_p, keep=parts is not None)
-            handlers = _stop_on_terminate()
-            try:
-                wall = _run_workers(nproc, staging, quick, models, device, command, add_args + list(worker_args),
-                                    log_path=results_p / "worker.log", append=True)
-                _commit(staging, results_p)
-            finally:
-                for sig, h in handlers.items():
-                    signal.signal(sig, h)
-                shutil.rmtree(staging, ignore_errors=True)
-        else:
-            wall = _run_workers(nproc, results_p, quick, models, device, command, add_args + list(worker_args))
+        with FolderLock(results_p, "axoplan calibrate", "AXOPLAN_CALIBRATE_RESULTS",
+                        "name another folder with --results") as lock:
+            # workers a killed calibration left running would share the cores with ours and write its folder
+            lock.end_orphans(click.echo)
+            run = {"env_extra": lock.env()}
+            if parts is not None or _complete(results_p):
+                # the complete run there stays whole until this one has finished: measured beside it, then
+                # moved over it file by file (an interrupted run leaves it usable by --parts and --from-results)
+                import shutil
 
+                staging = _stage(results_p, keep=parts is not None)
+                handlers = _stop_on_terminate()
+                try:
+                    wall = _run_workers(nproc, staging, quick, models, device, command, add_args + list(worker_args),
+                                        log_path=results_p / "worker.log", append=True, **run)
+                    _commit(staging, results_p)
+                finally:
+                    for sig, h in handlers.items():
+                        signal.signal(sig, h)
+                    shutil.rmtree(staging, ignore_errors=True)
+            else:
+                handlers = _stop_on_terminate()
+                try:
+                    wall = _run_workers(nproc, results_p, quick, models, device, command,
+                                        add_args + list(worker_args), **run)
+                finally:
+                    for sig, h in handlers.items():
+                        signal.signal(sig, h)
+            _write_profile(results_p, name, out_p, wall, parts)  # still under the lock: no other run moves files in
+
+        return
+    _write_profile(results_p, name, out_p, wall, parts)
+
+
+def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, parts: str | None) -> None:
+    """Fit the measurements in results_p and write the profile and its tables beside out_p."""
     from calibration import profile_writer
+    from calibration.profile_writer import CalibrationError, fits_csv
+    from calibration.results_io import ResultsDir
 
     rd = ResultsDir(results_p)
     try:
@@ -358,7 +384,12 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
     _validate_written(built)
     from .atomic import atomic_write_text
 
-    atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
-    for fname, text in built.files().items():  # the tables first, the profile that names them last
-        atomic_write_text(out_p if fname == f"{name}.yaml" else out_p.parent / fname, text)
+    try:
+        atomic_write_text(rd.path / "fits.csv", fits_csv(built.fits))
+        for fname, text in built.files().items():  # the tables first, the profile that names them last
+            atomic_write_text(out_p if fname == f"{name}.yaml" else out_p.parent / fname, text)
+    except OSError as e:
+        if isinstance(e, UserError):  # already one sentence naming the file
+            raise
+        raise UserError(f"cannot write '{e.filename or out_p}': {(e.strerror or str(e)).lower()}") from None
     _print_summary(out_p, built, wall, rd.meta(), added=bool(parts))

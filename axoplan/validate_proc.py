@@ -1,5 +1,5 @@
-"""Process control for `axoplan validate`: the sweep's lock on its folder, the runs it starts, and
-ending runs a killed sweep left behind.
+"""Process control for `axoplan validate` (and `axoplan calibrate`): the lock on the folder a run
+writes, the processes it starts, and ending those a killed run left behind.
 
 A sweep holds an flock on OUT/sweep.lock for as long as it lives (the kernel drops it when the
 process dies, even by kill -9), and records in that file its own pid and the process group of the
@@ -67,10 +67,10 @@ def descendants(root: int) -> list[tuple[int, str]]:
     return out
 
 
-def marked(folder: Path) -> list[tuple[int, str]]:
+def marked(folder: Path, marker: str = MARKER) -> list[tuple[int, str]]:
     """(pid, start time) of every live process started for the sweep in folder (its environment
     carries the marker), this process and its ancestors excepted."""
-    want = f"{MARKER}={folder}".encode() + b"\0"
+    want = f"{marker}={folder}".encode() + b"\0"
     mine, p = {os.getpid()}, os.getppid()
     while p > 1 and p not in mine:  # a sweep started from inside a run must not end its own parents
         mine.add(p)
@@ -145,9 +145,11 @@ class SweepLock:
     who holds it (pid, start time, host) and which run is under way (its process group and start
     time); a sweep that finds the lock free but the file naming runs reads what a dead sweep left."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, name: str = LOCK_FILE, what: str = "axoplan validate",
+                 marker: str = MARKER, elsewhere: str = "choose another --out"):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_FILE
+        self.path = self.folder / name
+        self.what, self.marker, self.elsewhere = what, marker, elsewhere
         self.fd: int | None = None
         self.left: dict = {}  # what the previous holder recorded
         self.runs: list[dict] = []
@@ -166,8 +168,8 @@ class SweepLock:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 who = f" (pid {holder['pid']} on {holder.get('host', '?')})" if isinstance(holder.get("pid"), int) else ""
-                raise UserError(f"another axoplan validate{who} is running a sweep in '{self.folder}'; wait for it "
-                                f"to finish or choose another --out") from None
+                raise UserError(f"another {self.what}{who} is running in '{self.folder}'; wait for it to finish "
+                                f"or {self.elsewhere}") from None
             raise UserError(f"cannot lock the sweep folder '{self.folder}': {_reason(e)}") from None
         self.fd = fd
         self.left = _read_json_fd(fd)
@@ -218,15 +220,15 @@ class SweepLock:
                     groups.append(pgid)
                     procs.append((pgid, st))
                     procs += descendants(pgid)
-        procs += [x for x in marked(self.folder.resolve()) if x not in procs]
+        procs += [x for x in marked(self.folder.resolve(), self.marker) if x not in procs]
         if not procs:
             return 0
         runs = ", ".join(str(r.get("candidate")) for r in self.left.get("runs") or [] if r.get("candidate"))
-        echo(f"ending {len(procs)} process(es) left running by an interrupted sweep in {self.folder}"
+        echo(f"ending {len(procs)} process(es) left running by an interrupted {self.what} in {self.folder}"
              + (f" (run {runs})" if runs else "") + ": pids " + " ".join(str(p) for p, _ in procs))
         left = end_processes(procs, groups=groups, grace_s=grace_s)
         if left:
-            raise UserError(f"processes {' '.join(map(str, left))} of an interrupted sweep in '{self.folder}' are still "
+            raise UserError(f"processes {' '.join(map(str, left))} of an interrupted {self.what} in '{self.folder}' are still "
                             f"running and cannot be ended from here; end them, then run again")
         return len(procs)
 
@@ -245,7 +247,7 @@ def active() -> SweepLock | None:
 
 
 def marker_env() -> dict:
-    return {MARKER: str(_active.folder.resolve())} if _active is not None else {}
+    return {_active.marker: str(_active.folder.resolve())} if _active is not None else {}
 
 
 def _boot_id() -> str | None:
@@ -267,3 +269,48 @@ def _read_json_fd(fd: int) -> dict:
 
 def _reason(e: OSError) -> str:
     return (e.strerror or str(e)).lower()
+
+
+class FolderLock:
+    """A non-blocking flock on a folder itself (no file is left in it), for a command whose processes
+    carry `marker`=folder in their environment: `axoplan calibrate` on its results folder."""
+
+    def __init__(self, folder: str | Path, what: str, marker: str, elsewhere: str):
+        self.folder, self.what, self.marker, self.elsewhere = Path(folder), what, marker, elsewhere
+        self.fd: int | None = None
+
+    def __enter__(self):
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise UserError(f"cannot lock the folder '{self.folder}': {_reason(e)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise UserError(f"another {self.what} is running in '{self.folder}'; wait for it to finish or "
+                            f"{self.elsewhere}") from None
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def env(self) -> dict:
+        return {self.marker: str(self.folder.resolve())}
+
+    def end_orphans(self, echo: Callable[[str], None] = print, grace_s: float = 10.0) -> int:
+        """End the processes a killed run on this folder left running (found by their environment)."""
+        procs = marked(self.folder.resolve(), self.marker)
+        if not procs:
+            return 0
+        echo(f"ending {len(procs)} process(es) left running by an interrupted {self.what} in {self.folder}: pids "
+             + " ".join(str(p) for p, _ in procs))
+        left = end_processes(procs, grace_s=grace_s)
+        if left:
+            raise UserError(f"processes {' '.join(map(str, left))} of an interrupted {self.what} in '{self.folder}' "
+                            f"are still running and cannot be ended from here; end them, then run again")
+        return len(procs)

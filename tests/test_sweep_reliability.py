@@ -97,7 +97,7 @@ def test_kill_9_then_a_second_sweep_is_refused_and_resume_ends_the_orphans(tmp_p
         assert alive(leader) and alive(grandchild)
 
         # while the sweep lives, a second one on its folder is refused, in one sentence, touching nothing
-        with pytest.raises(UserError, match=f"another axoplan validate \\(pid {sub.pid} .*is running a sweep"):
+        with pytest.raises(UserError, match=f"another axoplan validate \\(pid {sub.pid} .*is running in"):
             V.run_sweep(sweep(pm_path), out, resume=True, echo=lambda s: None)
         code, _, err = cli(capsys, "validate", "-m", "gpt-tiny", "-p", str(pm_path), "-g", "4", "-b", "8",
                            "--top-k", "3", "--steps", "4", "--warmup", "1", "--timeout", "120", "--out", str(out),
@@ -335,7 +335,7 @@ def _fake_workers(interrupt: bool, seconds: float):
     worker does with --add), then is interrupted half-way or finishes."""
     from calibration.results_io import ResultsDir
 
-    def run(nproc, results, quick, models, device, command, extra, log_path=None, append=False):
+    def run(nproc, results, quick, models, device, command, extra, log_path=None, append=False, env_extra=None):
         rd = ResultsDir(results)
         meta = dict(rd.meta(), status="running", part_dates={"attention": "2026-12-01T00:00:00Z"})
         rd.start(meta, tables={"attention"})
@@ -425,3 +425,29 @@ def test_sweep_files_with_bad_numbers_or_a_bom(tmp_path, pm_path, capsys):
     (out / "plan.csv").write_text("\n".join([plan[0], ",".join(row), *plan[2:]]) + "\n")
     code, _, err = cli(capsys, "validate", "--collect", str(out))
     one_sentence(code, err, "plan.csv", "batch_time_s")
+
+
+def test_calibrate_is_one_at_a_time_and_ends_workers_a_killed_one_left(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    from calib_synthetic import write
+
+    from axoplan import cli_calibrate
+
+    results = tmp_path / "r"
+    write(results)
+    args = ["calibrate", "--out", str(tmp_path / "p.yaml"), "--results", str(results), "--parts", "attention"]
+    monkeypatch.setattr(cli_calibrate, "_run_workers", _fake_workers(interrupt=False, seconds=2e-3))
+    with P.FolderLock(results, "axoplan calibrate", "AXOPLAN_CALIBRATE_RESULTS", "name another folder"):
+        code, _, err = cli(capsys, *args)
+    one_sentence(code, err, "another axoplan calibrate is running", str(results))
+    # a worker of a calibration that was killed (kill -9 leaves torchrun and its workers running)
+    env = dict(os.environ, AXOPLAN_CALIBRATE_RESULTS=str(results.resolve()))
+    orphan = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    try:
+        wait_for(lambda: P.marked(results.resolve(), "AXOPLAN_CALIBRATE_RESULTS"), what="the orphan's environment")
+        code, out, err = cli(capsys, *args)
+        assert code == 0, err
+        assert "ending 1 process(es) left running by an interrupted axoplan calibrate" in out and str(orphan.pid) in out
+        assert orphan.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        orphan.kill()
