@@ -399,3 +399,11 @@ def test_a_fifo_or_device_as_an_input_file_is_refused_without_blocking(tmp_path)
             read_text(p, "f")
     with pytest.raises(UserError, match="is not a file"):
         load_model(str(fifo))
+
+
+def test_a_bad_master_port_under_srun_is_one_sentence():
+    from axoplan.runtime.dist_env import export_for_env_init
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "MASTER_ADDR": "h", "MASTER_PORT": "http"}
+    with pytest.raises(UserError, match="MASTER_PORT"):
+        export_for_env_init(read_env(env), env)

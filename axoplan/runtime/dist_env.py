@@ -66,6 +66,9 @@ def export_for_env_init(de: DistEnv, env=None) -> None:
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         raise UserError("under srun, export MASTER_ADDR (the first node's host name) and MASTER_PORT "
                         "before starting the tasks (see docs/trainer.md)")
+    port = env["MASTER_PORT"].strip()
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"environment variable MASTER_PORT must be a port number from 1 to 65535, got {port[:20]!r}")
     env.setdefault("RANK", str(de.rank))
     env.setdefault("WORLD_SIZE", str(de.world_size))
     env.setdefault("LOCAL_RANK", str(de.local_rank))
