@@ -16,6 +16,8 @@ COMMANDS = {
     "profiles": ("axoplan.cli_plan", "profiles", "List the bundled machine profiles."),
     "rank": ("axoplan.cli_plan", "rank", "Rank every 4D configuration for a model, machine and GPU count."),
     "explain": ("axoplan.cli_plan", "explain", "Show where the time and memory of one configuration go."),
+    "dryrun": ("axoplan.cli_dryrun", "dryrun", "Trace one training step at full scale on this CPU: memory and collectives "
+               "against the plan."),
     "train": ("axoplan.cli_train", "train", "Run the bundled 4D-parallel trainer (under torchrun or srun)."),
     "calibrate": ("axoplan.cli_calibrate", "calibrate", "Measure this machine and write its profile."),
     "emit": ("axoplan.cli_loop", "emit", "Write a launch config and torchrun/Slurm scripts for a configuration."),

@@ -31,7 +31,7 @@ def axonn_profile(machine: str):
         "schema": "axoplan-profile/1", "name": f"axonn-{machine}", "dtype": "bf16",
         "gpus_per_node": {"value": gpn, "source": SRC},
         "memory": {"source": SRC, "capacity_gib": 1e6, "headroom_gib": 0, "bandwidth_gbs": 1e12},
-        "compute": {"source": "compute set to (almost) zero for the comparison", "peak_tflops": 1e9,
+        "compute": {"source": "compute set to (almost) zero for the comparison", "peak_tflops": 1e12,
                     "kernel_overhead_us": 0, "gemm": {"ceiling_tflops": 1e12, "dim_half": 0},
                     "attention": {"tflops": 1e12, "causal_skip": True, "backward_factor": 2.5}},
         "network": {"source": SRC, "intra_node": {"latency_us": 0, "groups": [

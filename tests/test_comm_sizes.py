@@ -121,9 +121,11 @@ def test_embedding_lm_head_loss_norms(prof, groups):
     assert (lm["ar_bwd"].axis, lm["ar_bwd"].nbytes[0]) == ("y", 1000 * 48 * 2)
     assert lm["ag"].nbytes[0] == 48 * 256 * 2
 
-    loss = C.loss_collective(prof, groups, tok)
-    assert (loss.kind, loss.axis, loss.nbytes[0]) == ("all_reduce", "y", 1000 * 3 * 4)
-    assert loss.seconds[0] == pytest.approx(ar_time(12000, "y"))
+    gmax, sums = C.loss_collectives(prof, groups, tok)
+    assert (gmax.kind, gmax.axis, gmax.nbytes[0]) == ("all_reduce", "y", 1000 * 1 * 4)  # per-token max
+    assert (sums.kind, sums.axis, sums.nbytes[0]) == ("all_reduce", "y", 1000 * 2 * 4)  # sum of exp, target
+    assert gmax.seconds[0] == pytest.approx(ar_time(4000, "y"))
+    assert sums.seconds[0] == pytest.approx(ar_time(8000, "y"))
 
     nf, nb = C.norm_collectives(prof, groups, m, tok, "norm")
     for c in (nf, nb):
@@ -230,7 +232,6 @@ def test_explain_collectives_table_by_hand(pm):
         ("lm_head", "bwd", "reduce_scatter", "z"): (32 * 64 * 2, ga),
         ("embedding", "fwd", "all_gather", "z"): (64 * 32 * 2, ga),  # [V/gy, H/gx] block
         ("embedding", "bwd", "reduce_scatter", "z"): (64 * 32 * 2, ga),
-        ("loss", "fwd", "all_reduce", "y"): (64 * 3 * 4, ga),
         # norms: 2 per block forward, plus the final norm
         ("norm", "fwd", "all_reduce", "x"): (64 * 2 * 4, ga * (2 * L + 1)),
         ("norm", "bwd", "all_reduce", "x"): (64 * 2 * 4, ga * (2 * L + 1)),
@@ -243,6 +244,9 @@ def test_explain_collectives_table_by_hand(pm):
         ("loss", "step", "all_reduce", "zd"): (8, 1),
         ("gradient norm", "step", "all_reduce", "all"): (8, 1),
     }
+    # the loss: two fp32 all-reduces over Y per micro-batch, the max then the sums (T x 1 and T x 2)
+    loss_rows = tab[(tab.layer == "loss") & (tab.phase == "fwd")]
+    assert sorted(loss_rows.bytes) == [64 * 1 * 4, 64 * 2 * 4] and (loss_rows.calls_per_step == ga).all()
     rows = {(r.layer, r.phase, r.collective, r.axis): r for r in tab.itertuples(index=False)}
     for key, (nbytes, calls) in expect.items():
         assert key in rows, f"missing {key}"

@@ -143,9 +143,9 @@ def test_explain_summary_matches_rank(model, pm):
     assert s.batch_time_s == pytest.approx(best.batch_time_s, rel=1e-12)
     assert s.memory_gib == pytest.approx(best.memory_gib, rel=1e-12)
     mem = ex.memory.set_index("kind")["gib"]
-    assert mem["total"] == pytest.approx(best.memory_gib, rel=1e-9)
-    parts = mem.drop(["total", "available (capacity - headroom)"]).sum()
-    assert parts == pytest.approx(mem["total"], rel=1e-9)
+    assert mem["total (peak)"] == pytest.approx(best.memory_gib, rel=1e-9)
+    parts = mem.drop(["total (peak)", "available (capacity - headroom)"]).sum()
+    assert parts == pytest.approx(mem["total (peak)"], rel=1e-9)
     assert mem["available (capacity - headroom)"] == pytest.approx(37.0)
     # the layer windows hold the step's compute and are part of its time
     w = ex.windows

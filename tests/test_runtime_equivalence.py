@@ -31,6 +31,9 @@ def test_parallel_equals_reference(world, refs):
     assert len(results) == len(sc.default_cases(world))
     bad = [r for r in results if not sc.passed(r)]
     assert not bad, "\n".join(f"{r['case']}: {r}" for r in bad)
+    # ORS keeps at most its bound of reduce-scatters in flight, and reaches it (counted on every rank)
+    off = [r for r in results if r["inflight"] != r["inflight_expected"]]
+    assert not off, "\n".join(f"{r['case']}: {r['inflight']} in flight, expected {r['inflight_expected']}" for r in off)
 
 
 def test_a_wrong_reference_is_caught(refs, tmp_path):

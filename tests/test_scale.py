@@ -20,9 +20,12 @@ INF = 1e30  # bytes/s: "unlimited" bandwidth, finite so that nothing divides inf
 def unlimited(name="dgx-h100"):
     """A profile whose communication costs nothing: huge bandwidth everywhere, zero latency per ring
     step, and no fixed cost per kernel launch (a launch overhead is a latency too)."""
+    import dataclasses
+
     p = load_profile(name)
     return p.replace(inter_busbw=INF, intra_groups=tuple((s, st, INF) for s, st, _ in p.intra_groups),
-                     intra_latency=0.0, inter_latency=0.0, kernel_overhead=0.0)
+                     intra_latency=0.0, inter_latency=0.0, kernel_overhead=0.0,
+                     physics=dataclasses.replace(p.physics, base_latency=0.0))  # NCCL's per-call base too
 
 
 # ---- parsing -----------------------------------------------------------------------------

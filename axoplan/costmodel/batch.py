@@ -18,12 +18,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..launch import Overlap
 from ..machine import MachineProfile
 from ..space import CANDIDATE_FIELDS, Candidates, divisibility_masks
 from ..specs import Job, ModelSpec
 from . import comm as C
 from . import compute as K
 from .memory import Memory, memory
+
+# the trainer's default bound on reduce-scatters in flight (one definition: the LaunchConfig's)
+MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
 
 
 @dataclass
@@ -124,7 +128,7 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
 
-    mem = Memory(*(flat(getattr(ev.memory, f)) for f in ("states", "buffers", "activations", "logits")))
+    mem = ev.memory.map(flat)
     return Evaluation(flat(ev.batch_time), flat(ev.compute), flat(ev.comm), flat(ev.exposed_comm), mem,
                       ev.memory_limit, flat(ev.feasible), flat(ev.reason_code), ev.reasons, flat(ev.flops_per_gpu),
                       flat(ev.extrapolated), {})
@@ -167,7 +171,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     col_lm = C.linear_collectives(profile, g, lm, T, e)
     col_emb = C.embedding_collectives(profile, g, model, T, e)
     norm_f, norm_b = C.norm_collectives(profile, g, model, T, "norm")
-    loss_c = C.loss_collective(profile, g, T)
+    loss_c = C.loss_collectives(profile, g, T)
+    t_loss = loss_c[0].seconds + loss_c[1].seconds
     extrapolated = np.zeros(n, dtype=bool)
     for gm in gem + [gem_lm]:
         extrapolated |= gm.extrapolated
@@ -180,7 +185,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                         col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
     emb_f = Window("embedding", ew_emb + k_out_f / 4, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
     lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * k_out_f / 4, col_lm["ar_fwd"].seconds + norm_f.seconds
-                  + loss_c.seconds, col_lm["ag"].seconds, _zero(n))
+                  + t_loss, col_lm["ag"].seconds, _zero(n))
 
     # backward windows
     half_b = (2 * ew_f + kb) / 2
@@ -221,7 +226,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     comm_block = comm_block + norm_f.seconds * 2 * (1 + ck) + norm_b.seconds * 2
     comm_mb = (comm_block * L + sum(v.seconds for v in col_emb.values()) + col_lm["ar_fwd"].seconds
                + col_lm["ar_bwd"].seconds + 2 * col_lm["ag"].seconds + col_lm["rs"].seconds
-               + norm_f.seconds + norm_b.seconds + loss_c.seconds)
+               + norm_f.seconds + norm_b.seconds + t_loss)
 
     # ---- per step: data-parallel gradients and the optimizer ------------------------------------
     block_elems = [(l.k // (gx if not l.transposed else gy)) * (l.n // (gy if not l.transposed else gx)) for l in lins]
@@ -245,11 +250,9 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     comm_total = grad_acc * comm_mb + t_dp
     exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
 
-    # ---- memory --------------------------------------------------------------------------------
-    per_layer_block = sum(block_elems)
-    max_block = np.maximum.reduce([np.asarray(b, dtype=np.float64) for b in block_elems + [lm_elems, emb_elems]])
-    mem = memory(model, gx, gy, gz, T, ck, (shard + replicated).astype(np.float64), per_layer_block.astype(np.float64),
-                 max_block, e, prefetch=overlap, deferred_rs=overlap)
+    # ---- memory ------------------------------------------------------------------------------------
+    mem = memory(model, gx, gy, gz, T, ck, shard.astype(np.float64), replicated, block_elems, lm_elems, emb_elems,
+                 e, prefetch=overlap, max_inflight_rs=MAX_INFLIGHT_RS if overlap else 0)
     limit = profile.mem_capacity - profile.mem_headroom
 
     # ---- feasibility, first failing rule wins -----------------------------------------------

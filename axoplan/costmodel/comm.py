@@ -241,9 +241,11 @@ def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_by
     }
 
 
-def loss_collective(profile, g: Groups, tokens) -> Collective:
-    """Vocabulary-parallel cross-entropy: per-token max, sum of exponentials and target logit over Y."""
-    return _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 3 * FP32)
+def loss_collectives(profile, g: Groups, tokens) -> tuple[Collective, Collective]:
+    """Vocabulary-parallel cross-entropy, two fp32 all-reduces over Y as the trainer issues them: the
+    per-token max, then the sum of exponentials with the target logit."""
+    return (_coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * FP32),
+            _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 2 * FP32))
 
 
 def data_parallel_collectives(profile, g, shard_elements, replicated_elements) -> list[Collective]:

@@ -43,13 +43,15 @@ class ParallelGPT:
         self.vocab_lo = c.y * (vp // g.gy)
         shapes = full_param_shapes(spec)
 
-        def sharded(name, rows, cols):
-            return ShardedWeight(name, shapes[name], rows, cols, g.gz, c.z, self.device)
+        def sharded(name, rows, cols, block):
+            w = ShardedWeight(name, shapes[name], rows, cols, g.gz, c.z, self.device)
+            w.block_key = block  # which (row, column) block of the full weight: seeds its own init
+            return w
 
         xs = {"x": c.x, "y": c.y}
         sizes = {"x": g.gx, "y": g.gy}
         self.weights: dict[str, ShardedWeight] = {}
-        self.weights["tok_emb"] = sharded("tok_emb", _part(vp, g.gy, c.y), _part(h, g.gx, c.x))
+        self.weights["tok_emb"] = sharded("tok_emb", _part(vp, g.gy, c.y), _part(h, g.gx, c.x), f"{c.y}/{c.x}")
         self.blocks: list[dict[str, LinearSpec]] = []
         for i in range(spec.n_layers):
             layers = {}
@@ -58,10 +60,10 @@ class ParallelGPT:
                 ia, oa = ("y", "x") if lin.transposed else ("x", "y")
                 rows = _part(lin.k, sizes[ia], xs[ia])
                 cols = self._out_columns(lin.name, lin.n, sizes[oa], xs[oa])
-                self.weights[name] = sharded(name, rows, cols)
+                self.weights[name] = sharded(name, rows, cols, f"{xs[ia]}/{xs[oa]}")
                 layers[lin.name] = LinearSpec(ia, oa, self.weights[name])
             self.blocks.append(layers)
-        self.weights["lm_head"] = sharded("lm_head", _part(h, g.gx, c.x), _part(vp, g.gy, c.y))
+        self.weights["lm_head"] = sharded("lm_head", _part(h, g.gx, c.x), _part(vp, g.gy, c.y), f"{c.x}/{c.y}")
         self.head = LinearSpec("x", "y", self.weights["lm_head"])
 
         # replicated over Y, Z, D: the X slice of the hidden channels
@@ -103,7 +105,7 @@ class ParallelGPT:
         else:
             # too big to draw whole on every rank: each block from its own seeded generator
             for name, w in self.weights.items():
-                key = f"{seed}/{name}/{int(w.rows[0])}/{int(w.cols[0])}"
+                key = f"{seed}/{name}/{w.block_key}"
                 gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                 std = 0.02 / ((2 * self.spec.n_layers) ** 0.5 if name.endswith(("attn_out", "fc2")) else 1.0)
                 w.set_from_block((torch.randn(w.shape, generator=gen) * std).reshape(-1))
@@ -112,7 +114,7 @@ class ParallelGPT:
                     if p.dim() == 1:
                         p.fill_(1.0)
                     else:
-                        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{int(self.xcols[0])}".encode()))
+                        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{self.rt.grid.coords.x}".encode()))
                         p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
 
     def _set_full(self, name: str, t: torch.Tensor) -> None:
@@ -199,14 +201,16 @@ class ParallelGPT:
             else:
                 x = self._block(i, x, (b, n))
         x = sharded_norm(x, self.replicated["norm_f"], s.hidden, s.norm, rt)
-        return parallel_linear(x, self.head, rt)
+        with rt.memory_kind("logits"):
+            return parallel_linear(x, self.head, rt)
 
     def loss_sum(self, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """tokens [b, s+1]; keep [b, s] (1 = counts): the sum of the kept per-token losses."""
         logits = self.logits(tokens[:, :-1])
-        per_tok = vocab_parallel_cross_entropy(logits, tokens[:, 1:].reshape(-1), self.vocab_lo,
-                                               self.spec.vocab, self.rt)
-        return (per_tok * keep.reshape(-1).to(per_tok.dtype)).sum()
+        with self.rt.memory_kind("logits"):
+            per_tok = vocab_parallel_cross_entropy(logits, tokens[:, 1:].reshape(-1), self.vocab_lo,
+                                                   self.spec.vocab, self.rt)
+            return (per_tok * keep.reshape(-1).to(per_tok.dtype)).sum()
 
 
 class _CheckpointBlock(torch.autograd.Function):
@@ -226,7 +230,7 @@ class _CheckpointBlock(torch.autograd.Function):
         x = x.detach().requires_grad_(True)
         model.rt.keep_gathered = True
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), model.rt.memory_kind("activations"):
                 y = model._block(ctx.i, x, ctx.shape)
         finally:
             model.rt.keep_gathered = False
@@ -249,10 +253,10 @@ def generate_greedy(model: ParallelGPT, prompt_ids, n_new: int) -> list[int]:
         last = last.masked_fill(cols >= spec.vocab, float("-inf"))
         val, idx = last.max(0)
         best = val.clone().view(1)
-        rt.all_reduce(best, "y", op=dist.ReduceOp.MAX)
+        rt.all_reduce(best, "y", op=dist.ReduceOp.MAX, layer="generate")
         # ties: the smallest global id wins, as argmax on one GPU
         cand = torch.where(val == best[0], idx + model.vocab_lo, torch.tensor(1 << 40, device=last.device)).view(1)
-        rt.all_reduce(cand, "y", op=dist.ReduceOp.MIN)
+        rt.all_reduce(cand, "y", op=dist.ReduceOp.MIN, layer="generate")
         out.append(int(cand))
         ids = torch.cat([ids, cand.view(1, 1)], 1)
     rt.finish_backward()

@@ -14,12 +14,12 @@ class _ShardedNormFn(torch.autograd.Function):
         xf = x.float()
         if rms:
             stats = (xf * xf).sum(-1, keepdim=True)
-            rt.all_reduce(stats, "x")
+            rt.all_reduce(stats, "x", layer="norm", exact=True)
             mean = torch.zeros_like(stats)
             var = stats / hidden
         else:
             stats = torch.cat([xf.sum(-1, keepdim=True), (xf * xf).sum(-1, keepdim=True)], -1)
-            rt.all_reduce(stats, "x")
+            rt.all_reduce(stats, "x", layer="norm", exact=True)
             mean = stats[:, :1] / hidden
             var = (stats[:, 1:] / hidden - mean * mean).clamp_min(0.0)
         rstd = torch.rsqrt(var + EPS)
@@ -36,11 +36,11 @@ class _ShardedNormFn(torch.autograd.Function):
         dw = (dyf * xhat).sum(0)
         if ctx.rms:
             sums = (g * xhat).sum(-1, keepdim=True)
-            ctx.rt.all_reduce(sums, "x")
+            ctx.rt.all_reduce(sums, "x", layer="norm", exact=True)
             dx = rstd * (g - xhat * sums / ctx.hidden)
         else:
             sums = torch.cat([g.sum(-1, keepdim=True), (g * xhat).sum(-1, keepdim=True)], -1)
-            ctx.rt.all_reduce(sums, "x")
+            ctx.rt.all_reduce(sums, "x", layer="norm", exact=True)
             dx = rstd * (g - sums[:, :1] / ctx.hidden - xhat * sums[:, 1:] / ctx.hidden)
         return dx.to(x.dtype), dw.to(weight.dtype), None, None, None
 

@@ -5,7 +5,8 @@ W[k/gx slice of x, n/gy slice of y], flattened and split into gz equal flat shar
   forward : all-gather W over Z, local GEMM, all-reduce O over X      -> O [T, n/gy]
   backward: all-gather W over Z (or reuse the one kept by the recompute), dI = dO·Wᵀ and
             all-reduce over Y (OAR: async under the dW GEMM), dW = Iᵀ·dO reduce-scatter over Z
-            (ORS: async, all waited at the end of the micro-batch's backward)
+            (ORS: async, at most `max_inflight_rs` in flight: issuing one more first waits for the
+            oldest, whose full-size gradient block is then released, as FSDP bounds them)
 The transposed layer swaps X and Y. The gradient shards accumulate over micro-batches; the
 data-parallel all-reduce of all shards happens once per step (Runtime.reduce_gradients).
 OAG: the weight all-gathers of one micro-batch follow a sequence known in advance (forward,
@@ -13,6 +14,7 @@ recompute, backward), so each `gather` launches the next one asynchronously.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -59,7 +61,26 @@ class ShardedWeight:
 @dataclass
 class _Pending:
     work: object
-    buf: torch.Tensor
+    buf: torch.Tensor  # this rank's reduced shard, accumulated when the work completes
+    src: torch.Tensor  # the full-size gradient block: NCCL holds it until the work completes, so do we
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as the trainer issued it: what for, which kind, over which axis, bytes moved
+    (the all-reduced buffer, the gathered output, the reduce-scatter's full input)."""
+
+    layer: str  # qkv, attn_out, fc1, fc2, lm_head, embedding, norm, loss, or a per-step name
+    kind: str  # all_gather, reduce_scatter, all_reduce
+    axis: str  # x, y, z, d, zd, all
+    nbytes: int
+
+
+def layer_kind(weight_name: str) -> str:
+    """'blocks.3.fc1' -> 'fc1', 'tok_emb' -> 'embedding', 'lm_head' -> 'lm_head'."""
+    if weight_name == "tok_emb":
+        return "embedding"
+    return weight_name.rsplit(".", 1)[-1]
 
 
 class Runtime:
@@ -68,11 +89,15 @@ class Runtime:
 
     def __init__(self, grid: ParallelGrid, *, compute_dtype=torch.float32, collective_dtype=torch.float32,
                  overlap_all_reduce=True, overlap_reduce_scatter=True, overlap_all_gather=True,
-                 blas_tuning=False):
+                 max_inflight_rs: int = 2, blas_tuning=False):
         self.grid = grid
         self.cdt = compute_dtype
         self.coll = collective_dtype
         self.oar, self.ors, self.oag = overlap_all_reduce, overlap_reduce_scatter, overlap_all_gather
+        self.max_inflight_rs = max(1, int(max_inflight_rs))
+        self.max_inflight_seen = 0  # the most reduce-scatters ever in flight at once (the bound's proof)
+        self.calls: list[CollectiveCall] | None = None  # a list: every collective is recorded into it
+        self.tracer = None  # a memory tracer (runtime/memtrace.py): allocations get a kind and a moment
         self.tuner = GemmTuner(blas_tuning)
         self.keep_gathered = False  # True while a checkpointed block recomputes its forward
         self._seq: list[ShardedWeight] = []
@@ -90,22 +115,54 @@ class Runtime:
         work.wait()
         self.blocked_s += time.perf_counter() - t0
 
+    # ---- what the step does, for the schedule's proof and the memory trace ----------------
+    def _record(self, layer: str, kind: str, axis: str, t: torch.Tensor) -> None:
+        self.counts[kind] += 1
+        if self.calls is not None:
+            self.calls.append(CollectiveCall(layer, kind, axis, t.numel() * t.element_size()))
+
+    def memory_kind(self, kind: str):
+        """Allocations inside the context are of this kind (a no-op unless a tracer is attached)."""
+        return self.tracer.kind(kind) if self.tracer is not None else contextlib.nullcontext()
+
+    def moment(self, where: str) -> None:
+        """Where the step is now (a layer and phase): the tracer reports the moment of its peak."""
+        if self.tracer is not None:
+            self.tracer.where = where
+
     # ---- collectives -----------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, axis: str, async_op=False, op=dist.ReduceOp.SUM):
-        g = self.grid.group(axis)
+    def all_reduce(self, t: torch.Tensor, axis: str, async_op=False, op=dist.ReduceOp.SUM, *,
+                   layer: str, exact: bool = False):
+        """exact: reduce in the tensor's own dtype (statistics, fp32 gradients, counts) rather than
+        the collective dtype."""
+        g = self._group(axis)
         if g is None:
             return None
-        self.counts["all_reduce"] += 1
-        if t.dtype != self.coll and t.dtype != torch.float64 and t.is_floating_point() and op == dist.ReduceOp.SUM:
+        if (not exact and t.dtype != self.coll and t.dtype != torch.float64 and t.is_floating_point()
+                and op == dist.ReduceOp.SUM):
             # reduce in the collective dtype, hand back in the tensor's own dtype
             tmp = t.to(self.coll)
+            self._record(layer, "all_reduce", axis, tmp)
             work = _CastBack(dist.all_reduce(tmp, op=op, group=g, async_op=True), tmp, t)
         else:
+            self._record(layer, "all_reduce", axis, t)
             work = dist.all_reduce(t, op=op, group=g, async_op=True)
         if async_op:
             return work
         self.wait(work)
         return None
+
+    def _group(self, axis: str):
+        if axis == "all":  # the world: the gradient norm and the step barrier
+            return dist.group.WORLD if self.grid.size > 1 else None
+        return self.grid.group(axis)
+
+    def barrier(self) -> None:
+        """Every rank at the same point (gloo runs it as a tiny all-reduce; recorded as one)."""
+        self.counts["all_reduce"] += 1
+        if self.calls is not None:
+            self.calls.append(CollectiveCall("step barrier", "all_reduce", "all", 4))
+        dist.barrier()
 
     # ---- weight all-gather with prefetch (OAG) --------------------------------------------
     def start_sequence(self, seq: list[ShardedWeight]) -> None:
@@ -117,9 +174,10 @@ class Runtime:
     def _launch_gather(self, w: ShardedWeight):
         if self.grid.gz == 1:
             return w.param.detach(), None
-        out = torch.empty(w.shard_len * w.gz, dtype=self.coll, device=w.param.device)
-        self.counts["all_gather"] += 1
-        work = _all_gather(out, w.param.detach().to(self.coll), group=self.grid.group("z"), async_op=True)
+        with self.memory_kind("gathered weights"):
+            out = torch.empty(w.shard_len * w.gz, dtype=self.coll, device=w.param.device)
+            self._record(layer_kind(w.name), "all_gather", "z", out)
+            work = _all_gather(out, w.param.detach().to(self.coll), group=self.grid.group("z"), async_op=True)
         return out, work
 
     def gather_exact(self, w: ShardedWeight) -> torch.Tensor:
@@ -149,25 +207,36 @@ class Runtime:
             flat, work = self._launch_gather(w)
             if work is not None:
                 self.wait(work)
-        return flat[: w.numel].view(w.shape).to(self.cdt)
+        with self.memory_kind("gathered weights"):
+            return flat[: w.numel].view(w.shape).to(self.cdt)
 
     # ---- gradient reduce-scatter (ORS) ---------------------------------------------------
     def reduce_scatter_grad(self, w: ShardedWeight, dw: torch.Tensor) -> None:
-        flat = dw.reshape(-1)
-        if w.shard_len * w.gz != w.numel:
-            flat = torch.nn.functional.pad(flat, (0, w.shard_len * w.gz - w.numel))
         if self.grid.gz == 1:
-            self._accumulate(w, flat)
+            self._accumulate(w, dw.reshape(-1))
             return
-        flat = flat.to(self.coll).contiguous()
-        out = torch.empty(w.shard_len, dtype=self.coll, device=flat.device)
-        self.counts["reduce_scatter"] += 1
-        work = _reduce_scatter(out, flat, group=self.grid.group("z"), async_op=True)
+        with self.memory_kind("gradient blocks"):
+            flat = dw.reshape(-1)
+            if w.shard_len * w.gz != w.numel:
+                flat = torch.nn.functional.pad(flat, (0, w.shard_len * w.gz - w.numel))
+            flat = flat.to(self.coll).contiguous()
+            if self.ors:
+                while len(self._pending_rs) >= self.max_inflight_rs:
+                    self._complete_oldest_rs()  # room first: its full-size block is released
+            out = torch.empty(w.shard_len, dtype=self.coll, device=flat.device)
+            self._record(layer_kind(w.name), "reduce_scatter", "z", flat)
+            work = _reduce_scatter(out, flat, group=self.grid.group("z"), async_op=True)
         if self.ors:
-            self._pending_rs.append((w, _Pending(work, out)))
+            self._pending_rs.append((w, _Pending(work, out, flat)))
+            self.max_inflight_seen = max(self.max_inflight_seen, len(self._pending_rs))
         else:
             self.wait(work)
             self._accumulate(w, out)
+
+    def _complete_oldest_rs(self) -> None:
+        w, p = self._pending_rs.pop(0)
+        self.wait(p.work)
+        self._accumulate(w, p.buf)
 
     @staticmethod
     def _accumulate(w: ShardedWeight, g: torch.Tensor) -> None:
@@ -175,10 +244,8 @@ class Runtime:
 
     def finish_backward(self) -> None:
         """End of one micro-batch's backward: collect the outstanding reduce-scatters."""
-        for w, p in self._pending_rs:
-            self.wait(p.work)
-            self._accumulate(w, p.buf)
-        self._pending_rs.clear()
+        while self._pending_rs:
+            self._complete_oldest_rs()
         if self._prefetched is not None and self._prefetched[2] is not None:
             self.wait(self._prefetched[2])  # a prefetch nobody used: never leave a collective dangling
         self._prefetched = None
@@ -196,7 +263,6 @@ class _CastBack:
     def wait(self):
         self.work.wait()
         self.dst.copy_(self.tmp)
-        return None
 
 
 @dataclass
@@ -211,9 +277,10 @@ class LinearSpec:
 class _ParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, layer: LinearSpec, rt: Runtime):
+        rt.moment(("recompute " if rt.keep_gathered else "forward ") + layer.weight.name)
         w = rt.gather(layer.weight)
         out = rt.mm(x, w).contiguous()
-        rt.all_reduce(out, layer.in_axis)  # partial sums over the in-features split
+        rt.all_reduce(out, layer.in_axis, layer=layer_kind(layer.weight.name))  # partial sums over the in-features split
         ctx.layer, ctx.rt = layer, rt
         # under recompute the gathered weight is kept for this block's backward: no second gather
         ctx.save_for_backward(x, w if rt.keep_gathered else None)
@@ -223,12 +290,15 @@ class _ParallelLinearFn(torch.autograd.Function):
     def backward(ctx, dout):
         x, w = ctx.saved_tensors
         rt, layer = ctx.rt, ctx.layer
+        rt.moment("backward " + layer.weight.name)
         if w is None:
             w = rt.gather(layer.weight)
         dout = dout.contiguous()
         dx = rt.mm(dout, w.t()).contiguous()
-        handle = rt.all_reduce(dx, layer.out_axis, async_op=rt.oar)  # partial over the out-features split
-        dw = rt.mm(x.t(), dout)  # OAR: runs while the dI all-reduce is in flight
+        kind = layer_kind(layer.weight.name)
+        handle = rt.all_reduce(dx, layer.out_axis, async_op=rt.oar, layer=kind)  # partial over the out-features split
+        with rt.memory_kind("gradient blocks"):
+            dw = rt.mm(x.t(), dout)  # OAR: runs while the dI all-reduce is in flight
         if handle is not None:
             rt.wait(handle)
         rt.reduce_scatter_grad(layer.weight, dw)
@@ -245,12 +315,13 @@ class _ParallelEmbeddingFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, shard, weight: ShardedWeight, lo: int, rt: Runtime):
+        rt.moment("forward " + weight.name)
         w = rt.gather(weight)  # [Vp/gy, H/gx]
         local = ids - lo
         inside = (local >= 0) & (local < w.shape[0])
         idx = torch.where(inside, local, torch.zeros_like(local))
         out = w[idx] * inside.unsqueeze(-1).to(w.dtype)
-        rt.all_reduce(out, "y")
+        rt.all_reduce(out, "y", layer="embedding")
         ctx.save_for_backward(idx, inside)
         ctx.weight, ctx.rt = weight, rt
         return out
@@ -259,8 +330,11 @@ class _ParallelEmbeddingFn(torch.autograd.Function):
     def backward(ctx, dout):
         idx, inside = ctx.saved_tensors
         w, rt = ctx.weight, ctx.rt
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=dout.device)
-        dw.index_add_(0, idx[inside], dout[inside].float())
+        rt.moment("backward " + w.name)
+        with rt.memory_kind("gradient blocks"):
+            dw = torch.zeros(w.shape, dtype=torch.float32, device=dout.device)
+            # tokens of other vocabulary shards add zeros to row 0: no data-dependent shapes (fake tensors)
+            dw.index_add_(0, idx, dout.float() * inside.unsqueeze(-1))
         rt.reduce_scatter_grad(w, dw)
         return None, None, None, None, None
 

@@ -56,12 +56,14 @@ class Case:
     model: str = "tiny"
     goldfish: bool = False
     blas: bool = False
+    inflight: int = 2  # reduce-scatters in flight at most (ORS)
 
     def label(self) -> str:
         gx, gy, gz, gd = self.grid
         flags = "".join(n for n, on in (("R", self.oar), ("S", self.ors), ("G", self.oag)) if on) or "-"
         extra = "".join([" ckpt" if self.ckpt else "", " goldfish" if self.goldfish else "",
-                         " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else ""])
+                         " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else "",
+                         f" inflight={self.inflight}" if self.inflight != 2 else ""])
         return f"x{gx} y{gy} z{gz} d{gd} {self.order} overlap={flags}{extra}"
 
 
@@ -88,7 +90,8 @@ def default_cases(world: int) -> list[Case]:
         full = (2, 2, 2, 1)  # X, Y and Z all split: each flag alone
         cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False)]
     if world == 4:
-        cases += [Case((2, 2, 1, 1), order="yxz"), Case((1, 2, 2, 1), order="zyx", ckpt=True)]
+        cases += [Case((2, 2, 1, 1), order="yxz"), Case((1, 2, 2, 1), order="zyx", ckpt=True),
+                  Case((1, 1, 4, 1), inflight=1), Case((2, 1, 2, 1), inflight=3, ckpt=True)]
     # the Llama-style variant (kv heads 2: gy <= 2), goldfish loss and BLAS tuning on a few grids
     small_y = [g for g in grids if g[1] <= 2]
     cases += [Case(g, model="llama", ckpt=(i % 2 == 1)) for i, g in enumerate(small_y[:4])]
@@ -121,7 +124,7 @@ def _config(case: Case, model_path: str) -> LaunchConfig:
     micro = max(1, GLOBAL_BATCH // (gd * gz) // 2)  # two micro-batches where there are two samples
     return LaunchConfig(model=model_path, grid=Grid(gx, gy, gz, gd), order=case.order, global_batch=GLOBAL_BATCH,
                         micro_batch=micro, seq_len=SEQ, steps=STEPS, lr=LR, weight_decay=0.1, grad_clip=GRAD_CLIP,
-                        overlap=Overlap(case.oar, case.ors, case.oag), checkpointing=case.ckpt,
+                        overlap=Overlap(case.oar, case.ors, case.oag, case.inflight), checkpointing=case.ckpt,
                         goldfish=Goldfish(4, 3) if case.goldfish else None, metrics=None, seed=SEED)
 
 
@@ -149,6 +152,7 @@ def run_case(case: Case, ref: dict, model_path: str) -> dict:
         exp = ref["final"][name][..., model.xcols]
         err["param"] = max(err["param"], float((p.detach() - exp).abs().max()))
     err["misses"] = float(trainer.rt.sequence_misses)
+    err["inflight"] = trainer.rt.max_inflight_seen  # the most reduce-scatters in flight at once
     full = model.gather_full_params()  # the API the memorization study uses
     err["gathered"] = max(float((full[n] - ref["final"][n]).abs().max()) for n in full)
     trainer.close()
@@ -175,11 +179,18 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], refs: dict, out
         vec = torch.tensor([err[k] for k in sorted(err)], dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         worst = dict(zip(sorted(err), vec.tolist()))
-        results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst})
+        results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst,
+                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case)})
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     dist.barrier()  # every rank done with every group before any of them tears the world down
     dist.destroy_process_group()
+
+
+def _inflight_expected(case: Case) -> int:
+    """The most reduce-scatters that can be in flight: the bound with ORS on a split Z (a backward has far
+    more layers than any bound tested), none otherwise (no reduce-scatter, or each waited at once)."""
+    return case.inflight if case.ors and case.grid[2] > 1 else 0
 
 
 def _free_port() -> int:

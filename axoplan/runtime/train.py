@@ -18,12 +18,13 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..atomic import append_line, atomic_write_bytes
 from ..errors import UserError
 from ..launch import LaunchConfig
-from ..specs import ModelSpec, load_model
 from ..space import grid_problem
+from ..specs import ModelSpec, load_model
 from .data import local_indices, open_source
 from .dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
 from .goldfish import goldfish_keep
@@ -68,6 +69,7 @@ class Resolved:
     compute_dtype: torch.dtype
     collective_dtype: torch.dtype
     blas_tuning: bool
+    fused_optimizer: bool = False  # one fused AdamW kernel, no full-size temporaries (GPU runs, dryrun)
 
 
 def resolve(cfg: LaunchConfig, local_rank: int = 0) -> Resolved:
@@ -79,7 +81,7 @@ def resolve(cfg: LaunchConfig, local_rank: int = 0) -> Resolved:
     cdt = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     coll = DTYPES[cfg.collective_dtype] if cfg.collective_dtype != "auto" else cdt
     blas = cfg.blas_tuning == "on" or (cfg.blas_tuning == "auto" and device.type == "cuda")
-    return Resolved(device, backend, cdt, coll, blas)
+    return Resolved(device, backend, cdt, coll, blas, fused_optimizer=device.type == "cuda")
 
 
 def init_distributed(cfg: LaunchConfig, de: DistEnv | None = None) -> tuple[DistEnv, Resolved]:
@@ -101,6 +103,11 @@ def init_distributed(cfg: LaunchConfig, de: DistEnv | None = None) -> tuple[Dist
     return de, res
 
 
+def _item(t: torch.Tensor) -> float:
+    """A scalar for the metrics; NaN for a fake tensor (axoplan dryrun), which holds no value."""
+    return float("nan") if isinstance(t, FakeTensor) else float(t)
+
+
 # ---- the trainer -----------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: LaunchConfig, grid: ParallelGrid, res: Resolved, *, init_params=None,
@@ -111,7 +118,8 @@ class Trainer:
         ov = cfg.overlap
         self.rt = Runtime(grid, compute_dtype=res.compute_dtype, collective_dtype=res.collective_dtype,
                           overlap_all_reduce=ov.all_reduce, overlap_reduce_scatter=ov.reduce_scatter,
-                          overlap_all_gather=ov.all_gather, blas_tuning=res.blas_tuning)
+                          overlap_all_gather=ov.all_gather, max_inflight_rs=ov.max_inflight_reduce_scatters,
+                          blas_tuning=res.blas_tuning)
         self.model = ParallelGPT(self.spec, self.rt, seed=cfg.seed, checkpointing=cfg.checkpointing,
                                  device=res.device, init_params=init_params)
         m = self.model
@@ -119,7 +127,8 @@ class Trainer:
         no_decay = [w.param for n, w in m.weights.items() if not decays(n)] + m.replicated_params()
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95), eps=adam_eps)
+                                     lr=cfg.lr, betas=(0.9, 0.95), eps=adam_eps,
+                                     **({"fused": True} if res.fused_optimizer else {}))
         self.source = data_source or open_source(cfg.data, cfg.seed, self.seq + 1)
         c = grid.coords
         self.indices = local_indices(cfg.global_batch, grid.gdata, grid.gz, c.d, c.z)
@@ -128,7 +137,7 @@ class Trainer:
         self.records: list[dict] = []
 
     @classmethod
-    def from_config(cls, cfg: LaunchConfig, **kw) -> "Trainer":
+    def from_config(cls, cfg: LaunchConfig, **kw) -> Trainer:
         de = read_env()
         check_config(cfg, de.world_size)
         de, res = init_distributed(cfg, de)
@@ -151,45 +160,48 @@ class Trainer:
         rt, model, mb = self.rt, self.model, self.cfg.micro_batch
         tokens, keep = self.local_batch(step)
         n_kept = keep.sum().double()  # the loss is a mean over the kept targets of the global batch
-        rt.all_reduce(n_kept, "zd")
+        rt.all_reduce(n_kept, "zd", layer="token count")
         model.grad_buffer.zero_()
         for p in model.replicated_params():
             p.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.res.device)
         for m in range(self.grad_acc):
             rt.start_sequence(model.gather_sequence(backward=True))
-            part = model.loss_sum(tokens[m * mb:(m + 1) * mb], keep[m * mb:(m + 1) * mb])
-            (part / n_kept.float()).backward()
-            rt.finish_backward()
+            with rt.memory_kind("activations"):
+                part = model.loss_sum(tokens[m * mb:(m + 1) * mb], keep[m * mb:(m + 1) * mb])
+            with rt.memory_kind("transients"):
+                (part / n_kept.float()).backward()
+                rt.finish_backward()
             loss_sum += part.detach().double()
+        rt.moment("step")
         self.reduce_gradients()
         grad_norm = self.clip_gradients()
-        self.opt.step()
-        rt.all_reduce(loss_sum, "zd")
-        return {"loss": float(loss_sum / n_kept), "grad_norm": grad_norm}
+        with rt.memory_kind("states"):  # AdamW's moments appear at the first step
+            self.opt.step()
+        rt.all_reduce(loss_sum, "zd", layer="loss")
+        return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
 
     def reduce_gradients(self) -> None:
         """Once per step: weight-shard gradients over D (fp32, one buffer); replicated parameters
         (norms, positions) over Z and D, where the samples differ."""
         model, rt = self.model, self.rt
-        d = self.grid.group("d")
-        if d is not None:
-            dist.all_reduce(model.grad_buffer, group=d)
+        rt.all_reduce(model.grad_buffer, "d", layer="gradients", exact=True)
         reps = model.replicated_params()
         for p in reps:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.grid.group("zd") is not None:
             flat = torch.cat([p.grad.reshape(-1) for p in reps])
-            dist.all_reduce(flat, group=self.grid.group("zd"))
+            rt.all_reduce(flat, "zd", layer="replicated", exact=True)
             off = 0
             for p in reps:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self) -> torch.Tensor:
         """Global norm over all shards, each element counted once: weight shards are unique over
-        (x, y, z) and identical over D; replicated parameters are unique over X only."""
+        (x, y, z) and identical over D; replicated parameters are unique over X only. The scale is
+        applied whether or not it clips (a factor of exactly 1 changes nothing): no host sync."""
         c, model = self.grid.coords, self.model
         sq = torch.zeros((), dtype=torch.float64, device=self.res.device)
         if c.d == 0:
@@ -197,14 +209,12 @@ class Trainer:
             if c.y == 0 and c.z == 0:
                 for p in model.replicated_params():
                     sq += torch.linalg.vector_norm(p.grad).double() ** 2
-        if self.grid.size > 1:
-            dist.all_reduce(sq)
-        norm = float(sq.sqrt())
-        coef = self.cfg.grad_clip / (norm + 1e-6)
-        if coef < 1.0:
-            model.grad_buffer.mul_(coef)
-            for p in model.replicated_params():
-                p.grad.mul_(coef)
+        self.rt.all_reduce(sq, "all", layer="gradient norm", exact=True)
+        norm = sq.sqrt()
+        coef = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float()
+        model.grad_buffer.mul_(coef)
+        for p in model.replicated_params():
+            p.grad.mul_(coef)
         return norm
 
     # ---- the loop with metrics ---------------------------------------------------------------
@@ -212,7 +222,7 @@ class Trainer:
         if self.res.device.type == "cuda":
             torch.cuda.synchronize(self.res.device)
         if self.grid.size > 1:
-            dist.barrier()
+            self.rt.barrier()
 
     def timed_step(self, step: int) -> tuple[dict, float]:
         """One optimizer step between two synchronisations of every rank: the time per batch the trainer

@@ -1,0 +1,120 @@
+"""One real training step of the bundled trainer as rank 0 of N, on no GPU and almost no memory.
+
+Tensors are fake (torch's FakeTensorMode: shapes, dtypes and storages, no data) and so is the
+process group (backend "fake": every collective returns at once), so the trainer runs its own
+code path, the same allocations, frees and collectives, for a job of any size. A MemoryTracer
+records the live bytes by kind and the moment of the peak; the Runtime records every collective.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..launch import LaunchConfig
+from .grid import build_grid
+from .memtrace import KINDS, MemoryTracer
+from .train import DTYPES, Resolved, Trainer
+
+
+@dataclass
+class Trace:
+    peak_bytes: int
+    peak_by_kind: dict  # kind -> bytes live at the peak
+    peak_where: str  # the layer and phase of the peak
+    collectives: dict  # (layer, kind, axis) -> [calls, bytes]
+    max_inflight_rs: int  # the most reduce-scatters in flight at once
+    extra: dict = field(default_factory=dict)
+
+
+def _fake_world(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def trace_step(cfg: LaunchConfig, dtype: str = "bf16") -> Trace:
+    """cfg: the run (grid, order, micro-batch, checkpointing, overlap); dtype: the compute and
+    collective dtype of the run being traced (bf16 as on GPUs)."""
+    g = cfg.grid
+    _fake_world(g.size)
+    try:
+        grid = build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order)
+        res = Resolved(torch.device("cpu"), "fake", DTYPES[dtype], DTYPES[dtype], blas_tuning=False,
+                       fused_optimizer=True)
+        tracer = MemoryTracer("states")
+        with FakeTensorMode(allow_non_fake_inputs=True), tracer:
+            trainer = Trainer(cfg, grid, res)
+            trainer.rt.tracer = tracer
+            trainer.rt.calls = []
+            with tracer.kind("transients"):
+                trainer.train_step(0)  # creates AdamW's moments: the steady state starts after it
+                trainer.rt.calls.clear()
+                trainer.rt.max_inflight_seen = 0
+                tracer.reset_peak()
+                trainer.train_step(1)
+                trainer._sync()
+        counts: dict = collections.defaultdict(lambda: [0, 0])
+        for c in trainer.rt.calls:
+            counts[c.layer, c.kind, c.axis][0] += 1
+            counts[c.layer, c.kind, c.axis][1] += c.nbytes
+        by_kind = {k: tracer.peak_by_kind.get(k, 0) for k in KINDS}
+        return Trace(tracer.peak, by_kind, tracer.peak_where, dict(counts), trainer.rt.max_inflight_seen,
+                     {"moments": tracer.moments})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[int, int, int, int],
+            order: str = "xyz", seq_len: int | None = None, micro_batch: int | None = None,
+            checkpointing: bool | None = None, overlap: bool = True) -> dict:
+    """Trace the configuration and put the planner's prediction beside it: peak memory per GPU by
+    kind and every collective of the step by (layer, kind, axis). Unset micro-batch or checkpointing:
+    the planner's fastest choice for this grid, as `axoplan explain` takes it."""
+    from ..costmodel.memory import KIND_NAMES
+    from ..costmodel.memory import KINDS as MODEL_KINDS
+    from ..errors import UserError
+    from ..launch import Grid, Overlap
+    from ..machine import GIB
+    from ..rank import explain
+
+    ex = explain(model, machine, gpus, global_batch, grid, order=order, seq_len=seq_len, micro_batch=micro_batch,
+                 checkpointing=checkpointing, overlap=overlap)
+    row = ex.summary.iloc[0]
+    if not (int(row.gx), int(row.gy), int(row.gz), int(row.gdata)) == tuple(grid):
+        raise UserError(f"--grid {','.join(map(str, grid))} is not a configuration of {gpus} GPUs")
+    why = ex.summary["reason"][0]
+    if why and "GiB" not in why:  # out of memory is worth tracing; a grid the model cannot split is not
+        raise UserError(f"grid {','.join(map(str, grid))} cannot run {model}: {why}")
+    ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap)
+    cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=global_batch,
+                       micro_batch=int(row.micro_batch), seq_len=seq_len, checkpointing=bool(row.checkpointing),
+                       overlap=ov, metrics=None)
+    from ..machine import load_profile
+
+    dtype = "bf16" if load_profile(machine).dtype_bytes == 2 else "fp32"
+    tr = trace_step(cfg, dtype)
+    mem = {KIND_NAMES[k]: {"predicted": float(v) / GIB, "traced": tr.peak_by_kind.get(KIND_NAMES[k], 0) / GIB}
+           for k, v in zip(MODEL_KINDS, ex.memory.gib[:len(MODEL_KINDS)] * GIB)}
+    predicted = collections.defaultdict(lambda: [0, 0.0])
+    for r in ex.collectives.itertuples(index=False):
+        key = (r.layer, r.collective, r.axis)
+        predicted[key][0] += int(r.calls_per_step)
+        predicted[key][1] += float(r.bytes) * int(r.calls_per_step)
+    colls = []
+    for key in sorted(set(predicted) | set(tr.collectives)):
+        p, t = predicted.get(key, [0, 0.0]), tr.collectives.get(key, [0, 0])
+        colls.append({"layer": key[0], "kind": key[1], "axis": key[2], "predicted_calls": p[0], "traced_calls": t[0],
+                      "predicted_bytes": p[1], "traced_bytes": float(t[1])})
+    return {"predicted_memory_gib": float(ex.memory.gib[len(MODEL_KINDS)]), "traced_memory_gib": tr.peak_bytes / GIB,
+            "memory_by_kind": mem, "collectives": colls,
+            "predicted_peak_at": ex.memory.attrs.get("peak_at", ""), "traced_peak_at": tr.peak_where,
+            "config": {"gx": cfg.grid.gx, "gy": cfg.grid.gy, "gz": cfg.grid.gz, "gdata": cfg.grid.gdata, "order": order,
+                       "micro_batch": cfg.micro_batch, "checkpointing": cfg.checkpointing, "dtype": dtype,
+                       "max_inflight_reduce_scatters_traced": tr.max_inflight_rs}}
