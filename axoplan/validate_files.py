@@ -164,8 +164,8 @@ def read_sweep_json(path: str | Path, cls):
     p = Path(path)
     try:
         d = json.loads(_text(p, "sweep file"))
-    except json.JSONDecodeError:
-        raise UserError(f"sweep file '{p}' is not JSON") from None
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting deeper than any sweep's
+        raise UserError(f"sweep file '{p}' is not JSON of a sweep's arguments") from None
     if not isinstance(d, dict):
         raise UserError(f"sweep file '{p}' is not a JSON object of the sweep's arguments")
     d.setdefault("repeats", 1)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from axoplan import validate as V
 from axoplan import validate_proc as P
@@ -272,6 +274,30 @@ def test_a_record_cut_short_is_dropped_whatever_its_field_count(tmp_path, pm_pat
 
 
 # ---- sweep files that cannot be read, bad arguments ------------------------------------------------------
+_HEADER = ",".join(V.RESULT_COLUMNS) + "\n"
+_texts = st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode),
+                   st.text(alphabet=",\"\n\r0123456789.-eEinfatoksl\x00", max_size=300).map(lambda t: (_HEADER + t).encode()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=_texts)
+def test_any_bytes_in_a_sweep_file_read_or_one_sentence(tmp_path, data):
+    """Whatever a sweep file holds, reading it gives a table or a UserError naming it, nothing else."""
+    for name, read in (("results.csv", lambda p: V.read_results(p)), ("plan.csv", V.read_plan),
+                       ("sweep.json", lambda p: V.read_sweep_json(p, V.Sweep))):
+        path = tmp_path / name
+        path.write_bytes(data)
+        try:
+            got = read(path)
+        except UserError as e:
+            assert name in str(e) and "\n" not in str(e)
+            continue
+        if name == "results.csv":
+            assert set(got["status"]) <= set(V.STATUSES)
+            t = got["measured_time_s"].dropna().to_numpy(float)
+            assert (t > 0).all() and (t < float("inf")).all()
+
+
 def _base(pm_path, out):
     return ["validate", "-m", "gpt-tiny", "-p", str(pm_path), "-g", "4", "-b", "8", "--top-k", "2", "--steps", "4",
             "--warmup", "1", "--out", str(out)]
@@ -297,6 +323,7 @@ def test_bad_timeout_is_refused_before_anything_is_written(tmp_path, pm_path, ca
     ("plan.csv", b"\x00\x01\x02\xff", ["plan.csv"]),
     ("sweep.json", b"\x00\xff\xfe binary", ["sweep file", "sweep.json"]),
     ("sweep.json", b"[1, 2]", ["sweep.json", "not a JSON object"]),
+    ("sweep.json", b"[" * 100000 + b"]" * 100000, ["sweep.json", "not JSON"]),
     ("sweep.json", b'{"model": "gpt-tiny", "machine": "x", "gpus": "four", "global_batch": 8}', ["sweep.json", "gpus"]),
 ])
 def test_unreadable_sweep_files_are_one_sentence_on_resume_and_collect(tmp_path, pm_path, capsys, name, content,
