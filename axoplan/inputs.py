@@ -23,7 +23,7 @@ MAX_GPUS_PER_NODE = 4096
 MAX_COUNT = 2**31 - 1  # any other count (layers, heads, ...): a C int
 MAX_TEXT = 4096  # characters in a name or path
 
-_INT = re.compile(r"^[+]?[0-9]+$")
+_INT = re.compile(r"^[+-]?[0-9]+$")
 
 
 def count(value: Any, name: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
