@@ -632,7 +632,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     for key in ("name", "description", "device"):
         if key in d and not isinstance(d[key], str):
             rd.fail(key, f"must be text, got {inputs.show(d[key])}")
-        inputs.text(d.get(key, ""), f"{where}: field '{key}'", allow_empty=key != "name")
+    # the name reaches launch scripts and one-line records; a description may span lines
+    inputs.text(d["name"], f"{where}: field 'name'")
     _check_launch(d.get("launch"), rd, where)
     dtype = d.get("dtype", "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):

@@ -120,7 +120,7 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, str):
                 bad(f"field '{f}' must be text, got {inputs.show(v)}")
-            inputs.text(v, f"{where}: field '{f}'", allow_empty=f != "name")
+        inputs.text(self.name, f"{where}: field 'name'")  # a name stays one line; a description may span lines
         for f in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "vocab_multiple", "n_kv_heads", "ffn_hidden"):
             v = getattr(self, f)
             if v is None and f in ("n_kv_heads", "ffn_hidden"):
