@@ -71,10 +71,20 @@ def _target(path: Path) -> tuple[Path, os.stat_result | None]:
     return real, st
 
 
+def _is_stream(path: Path) -> bool:
+    """/dev/stdout, /dev/fd/N, /proc/self/fd/N: an already open stream (maybe a file the shell opened
+    with >>), written through, never renamed over."""
+    p = os.path.abspath(path)
+    link = os.readlink(p) if os.path.islink(p) else ""
+    return p.startswith(("/dev/", "/proc/")) or link.startswith(("/proc/", "/dev/"))
+
+
 def _write_in_place(path: Path, data: bytes) -> None:
     # a device or FIFO: replacing it with a regular file would destroy it (e.g. /dev/null as root)
     try:
-        with open(path, "wb") as f:
+        # append, never truncate: a device or FIFO ignores it, a file the shell opened with >> keeps its lines
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
     except OSError as e:
@@ -121,8 +131,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
     in place for a device or FIFO. Returns path."""
     path = Path(path)
     target, st = _target(path)
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        _write_in_place(target, data)
+    if st is not None and (not stat.S_ISREG(st.st_mode) or _is_stream(path)):
+        _write_in_place(path, data)  # through the link itself: /dev/stdout's target is no real path
         return path
     tmp = _write_temp(target, data, _mode(st, mode))
     try:
@@ -170,7 +180,7 @@ def write_files(folder: str | Path, files: dict[str, tuple[str | bytes, int | No
                 path = d / name
                 target, st = _target(path)
                 raw = data.encode() if isinstance(data, str) else data
-                if st is not None and not stat.S_ISREG(st.st_mode):
+                if st is not None and (not stat.S_ISREG(st.st_mode) or _is_stream(path)):
                     out[name] = path  # special files are written last, in place
                     staged.append(("", target, path))
                     continue
@@ -182,7 +192,7 @@ def write_files(folder: str | Path, files: dict[str, tuple[str | bytes, int | No
                     except OSError as e:
                         raise _fail(path, e) from None
                 else:
-                    _write_in_place(target, data.encode() if isinstance(data, str) else data)
+                    _write_in_place(path, data.encode() if isinstance(data, str) else data)
                 out[path.name] = path
         finally:
             for tmp, _, _ in staged:

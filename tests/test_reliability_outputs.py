@@ -226,3 +226,15 @@ def test_an_emit_folder_that_is_a_file_is_one_sentence(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(OutputError, match="a file of that name exists"):
         ensure_dir(tmp_path / "f")
+
+
+def test_dev_stdout_redirected_to_a_file_appends_through_the_stream(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "o.txt"
+    out.write_text("first\n")
+    with open(out, "a") as f:
+        subprocess.run([sys.executable, "-c", ("from axoplan.atomic import atomic_write_text as w; "
+                        "w('/dev/stdout', 'second\\n')")], stdout=f, check=True)
+    assert out.read_text() == "first\nsecond\n"
