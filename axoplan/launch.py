@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,8 +116,12 @@ class LaunchConfig:
     def _validate_training(self, bad) -> None:
         """Optimizer numbers and switches: a string, nan or inf here would train to NaN or crash mid-run."""
         def num(name, v, lo_open):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-                    or (lo_open and v == 0):
+            ok = not isinstance(v, (bool, str))
+            try:
+                ok = ok and inputs.number(v, name, lo=0, lo_open=lo_open) is not None
+            except UserError:
+                ok = False
+            if not ok:
                 bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {inputs.show(v)}")
 
         num("lr", self.lr, True)

@@ -407,3 +407,31 @@ def test_a_bad_master_port_under_srun_is_one_sentence():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "MASTER_ADDR": "h", "MASTER_PORT": "http"}
     with pytest.raises(UserError, match="MASTER_PORT"):
         export_for_env_init(read_env(env), env)
+
+
+MODEL_FIELDS = list(yaml.safe_load(TINY)) + ["n_kv_heads", "ffn_hidden", "mlp", "norm", "position", "vocab_multiple"]
+CONFIG_KEYS = list(config_from_dict({}).to_dict())
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from(MODEL_FIELDS), value=st.sampled_from(BAD_VALUES + [2**80, -(2**80), 1.5, "", "gelu"]))
+def test_any_model_field_set_to_nonsense_is_a_model_or_a_user_error(field, value):
+    from axoplan.specs import model_from_dict
+
+    d = yaml.safe_load(TINY)
+    d[field] = value
+    try:
+        m = model_from_dict(d, "model")
+    except UserError as e:
+        assert "\n" not in str(e) and len(str(e)) < 400
+    else:
+        assert m.n_params > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(CONFIG_KEYS), value=st.sampled_from(BAD_VALUES + [2**80, 1.5, "", "auto", {"k": 1}]))
+def test_any_config_key_set_to_nonsense_is_a_config_or_a_user_error(key, value):
+    try:
+        config_from_dict({key: value})
+    except UserError as e:
+        assert "\n" not in str(e) and len(str(e)) < 400
