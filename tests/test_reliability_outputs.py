@@ -238,3 +238,10 @@ def test_dev_stdout_redirected_to_a_file_appends_through_the_stream(tmp_path):
         subprocess.run([sys.executable, "-c", ("from axoplan.atomic import atomic_write_text as w; "
                         "w('/dev/stdout', 'second\\n')")], stdout=f, check=True)
     assert out.read_text() == "first\nsecond\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_device_is_one_sentence(capsys):
+    code, _, err = run_cli(RANK + ["--output", "/dev/full"], capsys)
+    one_sentence(code, err)
+    assert "no space left" in err and stat.S_ISCHR(os.stat("/dev/full").st_mode)
