@@ -144,7 +144,11 @@ def _commit(staging: Path, results: Path) -> None:
     says the folder is complete); Ctrl-C and SIGTERM wait the few milliseconds this takes."""
     from calibration.results_io import ResultsDir
 
-    if ResultsDir(staging).meta().get("status") != "complete":
+    try:
+        done = ResultsDir(staging).meta().get("status") == "complete"
+    except ValueError:  # no meta.json, or one cut short
+        done = False
+    if not done:
         raise UserError(f"the calibration workers exited without finishing; the earlier run in {results} is kept")
     files = sorted((f for f in staging.iterdir() if f.is_file() and f.name != "meta.json"), key=lambda f: f.name)
     blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}

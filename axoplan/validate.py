@@ -225,6 +225,12 @@ def no_space(folder: Path) -> str | None:
     return None
 
 
+def _stop_pending_dropped() -> None:
+    # the sweep is stopping already: a further Ctrl-C during the clean-up is not raised again
+    P._stop["pending"] = None
+    P.defer_stops(False)
+
+
 def _read_tail(path: Path, cap: int = 16 << 20) -> str:
     """The last cap bytes of a log (the summary is its last line): a log grown huge, or a device in
     its place, is never read whole."""
@@ -251,21 +257,31 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     except OSError as e:
         return _infra(f"cannot write {LOG_NAME}: {(e.strerror or str(e)).lower()}")
     try:
+        P.defer_stops(True)  # a stop between starting the run and holding its handle would orphan it
         try:
             proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
+            P.defer_stops(False)
             return _infra(f"the launcher could not start ({argv[0]}): {(e.strerror or str(e)).lower()}")
-        if lock is not None:
-            lock.started(proc.pid, run_dir.name)
+        except BaseException:
+            P.defer_stops(False)
+            raise
         try:
+            if lock is not None:
+                lock.started(proc.pid, run_dir.name)
+            P.defer_stops(False)  # raises a stop that came meanwhile, here, where the run is ended
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_tree(proc, folder=lock.folder.resolve() if lock else None)
             wall = time.monotonic() - t0
             return RunResult(None, "timeout", f"no result after {timeout_s:.0f} s; killed", wall)
         except BaseException:  # Ctrl-C: leave nothing running behind us
-            kill_tree(proc, grace_s=3.0, folder=lock.folder.resolve() if lock else None)
+            P.defer_stops(True)  # a second Ctrl-C must not cut the clean-up short
+            try:
+                kill_tree(proc, grace_s=3.0, folder=lock.folder.resolve() if lock else None)
+            finally:
+                _stop_pending_dropped()
             raise
         finally:
             if lock is not None:
@@ -517,14 +533,6 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
     return s
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to the sweep: stop as on Ctrl-C, ending the run under way."""
-
-
-def _on_signal(signum, frame):
-    raise _Terminated(f"signal {signum}")
-
-
 def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[str], None] = print,
               launcher: Callable[[Path, int], tuple[list[str], dict]] = default_launcher,
               runner: Callable[..., RunResult] = run_one) -> dict:
@@ -542,19 +550,13 @@ def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[
         lock.end_orphans(echo)
         _check_existing(sw, out, resume, plan)
         _write_sweep(sw, out, plan)
-        handlers = {}
-        try:
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                handlers[sig] = signal.signal(sig, _on_signal)
-        except ValueError:  # not the main thread: signals stay as they are
-            pass
+        handlers = P.catch_stops()
         P.set_active(lock)
         try:
             _run_all(sw, out, resume, plan, echo, launcher, runner)
         finally:
             P.set_active(None)
-            for sig, h in handlers.items():
-                signal.signal(sig, h)
+            P.restore_stops(handlers)
         return finish(out, _sweep_title(sw), echo)
 
 

@@ -236,6 +236,53 @@ class SweepLock:
         return len(procs)
 
 
+# ---- stopping (Ctrl-C, SIGTERM, SIGHUP) ---------------------------------------------------------------
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the sweep: it stops as on Ctrl-C, ending the run under way."""
+
+
+_stop = {"defer": False, "pending": None}
+
+
+def _on_stop(signum, frame):
+    if _stop["defer"]:  # between starting a run and being ready to end it: wait a moment
+        _stop["pending"] = signum
+        return
+    _raise_stop(signum)
+
+
+def _raise_stop(signum):
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(f"signal {signum}")
+
+
+def catch_stops() -> dict:
+    """Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt here (so the run under way is ended); returns
+    the handlers to restore. Not in the main thread: nothing changes."""
+    handlers = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _on_stop)
+    except ValueError:
+        pass
+    return handlers
+
+
+def restore_stops(handlers: dict) -> None:
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
+
+
+def defer_stops(on: bool) -> None:
+    """While on, a stop is held back (a run just started has no handle to end it by yet); turning it
+    off raises the stop that came meanwhile."""
+    _stop["defer"] = on
+    if not on and _stop["pending"] is not None:
+        signum, _stop["pending"] = _stop["pending"], None
+        _raise_stop(signum)
+
+
 # the lock of the sweep this process is running: run_one records its runs there
 _active: SweepLock | None = None
 

@@ -18,8 +18,16 @@ import yaml
 
 from axoplan.atomic import atomic_write_text
 
-from .fit import COLLECTIVES, fit_alpha_beta, fit_dim_half, fit_line, geomean, ring_steps, ring_volume
-from .results_io import ResultsDir
+from .fit import (
+    COLLECTIVES,
+    fit_alpha_beta,
+    fit_dim_half,
+    fit_line,
+    geomean,
+    ring_steps,
+    ring_volume,
+)
+from .results_io import ResultsDir, ResultsError
 
 GIB = 2**30
 SCHEMA = "axoplan-profile/1"
@@ -297,7 +305,7 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
         intra_node["table"] = {"path": coll_table_name, "source": (
             f"{tag}; {len(coll_rows)} rows: slowest rank's median seconds per call of each collective over "
             f"{span} on every intra-node group shape, all groups of a shape at once"
-            + (f"; ranks share cores, so calls were also timed after compute bursts on every rank ("
+            + ("; ranks share cores, so calls were also timed after compute bursts on every rank ("
                + ", ".join(f"{b * 1e3:.2g}" for b in bursts) + " ms, column burst_s), less the burst's own time "
                "(what a call costs between compute, as in training)" if len(bursts) > 1 else "")
             + "; the planner interpolates these (log-log) on measured shapes, the fit above serves the rest")}
@@ -331,7 +339,6 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
     kernels x overhead + element-wise time x s. The kernel and element-wise terms are the planner's own,
     found by evaluating it with a launch cost of 0 and 1 us and with element-wise bandwidth 1x and
     1e6x, so the counts never drift from the cost model. s rescales the element-wise efficiency."""
-    import dataclasses
 
     import numpy as np
     from scipy.optimize import nnls
@@ -350,7 +357,7 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
         job = Job(1, r["grad_acc"] * r["micro_batch"], r["seq"])
         c = Candidates(one, one, one, one, 0 * one, one * r["micro_batch"], np.zeros(1, dtype=bool))
 
-        def t(oh, ew):
+        def t(oh, ew, model=model, job=job, c=c):  # bound now: called only in this iteration anyway
             p = prof.replace(kernel_overhead=oh, elementwise_efficiency=prof.elementwise_efficiency * ew)
             return float(evaluate(model, p, job, c).batch_time[0])
 
@@ -416,7 +423,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
         by_model[(r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq"], r["global_batch"])].append(r)
     for (layers, hidden, heads, vocab, seq, gb), rs in by_model.items():
         model = calibration_model(layers, hidden, heads, vocab, seq)
-        col = lambda k, dt=np.int64: np.array([r[k] for r in rs], dtype=dt)  # noqa: E731
+        col = lambda k, dt=np.int64, rs=rs: np.array([r[k] for r in rs], dtype=dt)
         c = Candidates(col("gx"), col("gy"), col("gz"), col("gdata"),
                        np.array([ORDERS.index(r["order"]) for r in rs], dtype=np.int8), col("micro_batch"),
                        np.zeros(len(rs), dtype=bool))
@@ -439,10 +446,25 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
 
 
 def build(results: ResultsDir, name: str, table_name: str) -> Built:
+    """The profile from a complete run's results; every file or fit that cannot make one is a
+    CalibrationError (one sentence), never a traceback."""
+    try:
+        return _build(results, name, table_name)
+    except ResultsError as e:
+        raise CalibrationError(str(e)) from None
+    except (ValueError, ZeroDivisionError, KeyError, TypeError) as e:  # numbers no fit can take
+        raise CalibrationError(f"the measurements in {results.path} cannot be fitted ({type(e).__name__}: {e})") from None
+
+
+def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     try:
         meta = results.meta()
-    except (OSError, ValueError):
+    except FileNotFoundError:
         raise CalibrationError(f"{results.path} holds no readable meta.json (not a calibration results folder)")
+    except ResultsError as e:
+        if "cannot read" in str(e):
+            raise CalibrationError(f"{results.path} holds no readable meta.json (not a calibration results folder)") from None
+        raise
     if meta.get("status") != "complete":
         raise CalibrationError(f"the calibration run in {results.path} did not finish")
     tag = run_tag(meta)

@@ -3,7 +3,9 @@ Rows are appended (and flushed) as they are measured, so an interrupted run keep
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
 from pathlib import Path
 
 from axoplan.atomic import append_line, atomic_write_text
@@ -19,6 +21,15 @@ COLUMNS = {
     "trainer": ["layers", "hidden", "heads", "vocab", "seq", "global_batch", "micro_batch", "gx", "gy", "gz", "gdata",
                 "order", "seconds"],
 }
+
+
+TEXT_COLUMNS = {"layout", "collective", "kind", "op", "pass", "order"}
+BOOL_COLUMNS = {"crosses_nodes", "causal"}
+SIGNED_COLUMNS = {"efficiency"}  # a collective can run slower beside compute than alone
+
+
+class ResultsError(ValueError):
+    """A results file that is not what the workers write: one sentence naming the file (and line)."""
 
 
 class ResultsDir:
@@ -52,14 +63,59 @@ class ResultsDir:
         atomic_write_text(self.path / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
 
     def meta(self) -> dict:
-        return json.loads((self.path / "meta.json").read_text())
+        p = self.path / "meta.json"
+        try:
+            m = json.loads(_text(p))
+        except (json.JSONDecodeError, RecursionError):
+            raise ResultsError(f"{p} is not JSON") from None
+        if not isinstance(m, dict):
+            raise ResultsError(f"{p} is not a JSON object (a calibration run's meta.json)")
+        return m
 
     def rows(self, table: str) -> list[dict]:
+        """The rows of one table, each checked: every column present, numbers finite (times positive),
+        text and flags where the workers write them; anything else is a ResultsError naming the line."""
         p = self.csv_path(table)
         if not p.exists():
             return []
-        with open(p, newline="") as f:
-            return [_parse(r) for r in csv.DictReader(f)]
+        reader = csv.DictReader(io.StringIO(_text(p), newline=""))
+        cols = COLUMNS[table]
+        missing = [c for c in cols if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ResultsError(f"{p} lacks the column(s) {', '.join(missing)}")
+        out = []
+        for r in reader:
+            line = reader.line_num
+            if None in r or any(r.get(c) is None for c in cols):
+                raise ResultsError(f"{p} line {line} has {'too many' if None in r else 'too few'} fields")
+            row = _parse(r)
+            for c in cols:
+                v = row[c]
+                if c in BOOL_COLUMNS:
+                    ok = isinstance(v, bool)
+                elif c in TEXT_COLUMNS:
+                    ok = isinstance(v, str) and v != ""
+                else:
+                    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                        c in SIGNED_COLUMNS or v > 0 or (v == 0 and c != "seconds"))
+                if not ok:
+                    raise ResultsError(f"{p} line {line}: {c} is {r[c]!r}, not what the workers write")
+            out.append(row)
+        return out
+
+
+def _text(p: Path) -> str:
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"cannot read {p}: {(e.strerror or str(e)).lower()}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ResultsError(f"{p} is not UTF-8 text (a binary file?)") from None
+    if "\0" in text:
+        raise ResultsError(f"{p} holds NUL bytes (a binary file?)")
+    return text
 
 
 def _fmt(v) -> str:

@@ -179,6 +179,32 @@ def test_sigterm_to_the_sweep_ends_its_run(tmp_path, pm_path):
             sub.kill()
 
 
+def test_a_stop_while_a_run_is_being_started_still_ends_it(tmp_path, pm_path, monkeypatch):
+    """SIGTERM between starting a run and holding its handle (here: while its pid is being recorded)
+    is held back a moment and then ends the run like any other stop."""
+    out = tmp_path / "sw"
+    real = P.SweepLock.started
+    seen = {}
+
+    def started(self, pid, candidate=""):
+        real(self, pid, candidate)
+        pidfile = out / "runs" / candidate / "grandchild.pid"
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the run to start")
+        seen["grandchild"] = int(pidfile.read_text())
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives now, inside the window
+
+    monkeypatch.setattr(P.SweepLock, "started", started)
+    launcher = launcher_of(["setsid sleep 300 & echo $! > grandchild.pid; exec sleep 300"])
+    with pytest.raises(KeyboardInterrupt):
+        V.run_sweep(sweep(pm_path, top_k=1), out, echo=lambda s: None, launcher=launcher)
+    try:
+        wait_for(lambda: not alive(seen["grandchild"]), timeout=10, what="the run to be ended")
+    finally:
+        if alive(seen["grandchild"]):
+            os.kill(seen["grandchild"], signal.SIGKILL)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the sweep's handlers are gone with it
+
+
 # ---- infrastructure failures are not the candidate's ----------------------------------------------------
 def test_infrastructure_failures_are_retried_on_resume_own_failures_are_final(tmp_path, pm_path, monkeypatch):
     out = tmp_path / "sw"
