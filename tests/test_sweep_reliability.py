@@ -504,3 +504,36 @@ def test_calibrate_is_one_at_a_time_and_ends_workers_a_killed_one_left(tmp_path,
         assert orphan.wait(timeout=5) == -signal.SIGTERM
     finally:
         orphan.kill()
+
+
+def _edit_line(text: str, col: str, value: str) -> str:
+    lines = text.splitlines()
+    head = lines[0].split(",")
+    row = lines[1].split(",")
+    row[head.index(col)] = value
+    return "\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n"
+
+
+@pytest.mark.parametrize("name, edit, words", [
+    ("meta.json", lambda t: b"\x00\xff\xfe", ["meta.json"]),
+    ("meta.json", lambda t: b"[1, 2]", ["meta.json", "not a JSON object"]),
+    ("meta.json", lambda t: b"[" * 100000 + b"]" * 100000, ["meta.json", "not JSON"]),
+    ("attention.csv", lambda t: b"\x89PNG\x00\xff", ["attention.csv", "not UTF-8"]),
+    ("gemm.csv", lambda t: b"", ["gemm.csv", "lacks the column"]),
+    ("collectives.csv", lambda t: b"a,b\n1,2\n", ["collectives.csv", "lacks the column"]),
+    ("gemm.csv", lambda t: _edit_line(t, "seconds", "inf").encode(), ["gemm.csv line 2", "seconds"]),
+    ("memory.csv", lambda t: _edit_line(t, "seconds", "nan").encode(), ["memory.csv line 2", "seconds"]),
+    ("attention.csv", lambda t: _edit_line(t, "seconds", "-1").encode(), ["attention.csv line 2", "seconds"]),
+    ("gemm.csv", lambda t: _edit_line(t, "layout", "").encode(), ["gemm.csv line 2", "layout"]),
+    ("gemm.csv", lambda t: (t.splitlines()[0] + "\n8,8\n").encode(), ["gemm.csv line 2", "too few fields"]),
+])
+def test_a_broken_calibration_folder_is_one_sentence(tmp_path, capsys, name, edit, words):
+    from calib_synthetic import write
+
+    results = tmp_path / "r"
+    write(results)
+    p = results / name
+    p.write_bytes(edit(p.read_text()))
+    code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "p.yaml"), "--from-results", str(results))
+    one_sentence(code, err, *words)
+    assert not (tmp_path / "p.yaml").exists()
