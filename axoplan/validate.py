@@ -8,7 +8,9 @@ One sweep lives in one folder OUT:
     OUT/runs/<id>/          each candidate's run directory, written by launch.write_run_dir, + run.log
     OUT/results.csv         one line per finished run, appended as it finishes
     OUT/summary.json        the scores; OUT/ranking.png the plot
+    OUT/sweep.lock          held (flock) by the live sweep: its pid and the run under way (validate_proc)
 Torch is never imported here: candidates run as `bash launch_torchrun.sh` in their own process group.
+The files are read and written by validate_files, the processes are started and ended by validate_proc.
 """
 from __future__ import annotations
 
