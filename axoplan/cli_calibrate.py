@@ -371,7 +371,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
             _write_profile(results_p, name, out_p, wall, parts)  # still under the lock: no other run moves files in
 
         return
-    _write_profile(results_p, name, out_p, wall, parts)
+    from .validate_proc import FolderLock
+
+    with FolderLock(results_p, "axoplan calibrate", "AXOPLAN_CALIBRATE_RESULTS", ""):
+        _write_profile(results_p, name, out_p, wall, parts)  # never from a folder a calibration is moving files into
 
 
 def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, parts: str | None) -> None:

@@ -339,8 +339,8 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise UserError(f"another {self.what} is running in '{self.folder}'; wait for it to finish or "
-                            f"{self.elsewhere}") from None
+            raise UserError(f"another {self.what} is running in '{self.folder}'; wait for it to finish"
+                            + (f" or {self.elsewhere}" if self.elsewhere else "")) from None
         self.fd = fd
         return self
 
