@@ -165,12 +165,16 @@ class SweepLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             holder = _read_json_fd(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = f" (pid {holder['pid']} on {holder.get('host', '?')})" if isinstance(holder.get("pid"), int) else ""
-                raise UserError(f"another {self.what}{who} is running in '{self.folder}'; wait for it to finish "
-                                f"or {self.elsewhere}") from None
-            raise UserError(f"cannot lock the sweep folder '{self.folder}': {_reason(e)}") from None
+            no_flock = e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+            # a file system without flock: the holder's pid and start time say whether it lives
+            if not (no_flock and not _holder_alive(holder)):
+                os.close(fd)
+                if no_flock or e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    who = (f" (pid {holder['pid']} on {holder.get('host', '?')})"
+                           if isinstance(holder.get("pid"), int) else "")
+                    raise UserError(f"another {self.what}{who} is running in '{self.folder}'; wait for it to "
+                                    f"finish or {self.elsewhere}") from None
+                raise UserError(f"cannot lock the sweep folder '{self.folder}': {_reason(e)}") from None
         self.fd = fd
         self.left = _read_json_fd(fd)
         self._write()
@@ -298,6 +302,14 @@ def active() -> SweepLock | None:
 
 def marker_env() -> dict:
     return {_active.marker: str(_active.folder.resolve())} if _active is not None else {}
+
+
+def _holder_alive(holder: dict) -> bool:
+    """Whether the process a lock record names runs still (here, since the same boot; same start)."""
+    pid = holder.get("pid")
+    return (isinstance(pid, int) and pid != os.getpid() and holder.get("host") == socket.gethostname()
+            and holder.get("boot") == _boot_id() and holder.get("start") is not None
+            and proc_start(pid) == holder.get("start"))
 
 
 def _boot_id() -> str | None:

@@ -161,6 +161,33 @@ def test_a_stale_or_unreadable_lock_is_taken_over(tmp_path, pm_path):
     assert s["ok"] == 1
 
 
+def test_without_flock_the_recorded_holder_decides(tmp_path, pm_path, monkeypatch):
+    """A file system without flock: a record naming a live process refuses, a dead one is taken over."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(P, "fcntl", SimpleNamespace(flock=no_flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
+    out = tmp_path / "sw"
+    good = launcher_of([summary_cmd(1.0)])
+    V.run_sweep(sweep(pm_path, top_k=1), out, echo=lambda s: None, launcher=good)
+    holder = subprocess.Popen(["sleep", "300"])
+    try:
+        rec = {"pid": holder.pid, "start": P.proc_start(holder.pid), "host": os.uname().nodename,
+               "boot": P._boot_id(), "runs": []}
+        (out / "sweep.lock").write_text(json.dumps(rec))
+        with pytest.raises(UserError, match=f"pid {holder.pid}"):
+            V.run_sweep(sweep(pm_path, top_k=1), out, resume=True, echo=lambda s: None, launcher=good)
+    finally:
+        holder.kill()
+        holder.wait()
+    V.run_sweep(sweep(pm_path, top_k=1), out, resume=True, echo=lambda s: None, launcher=good)
+
+
 def test_sigterm_to_the_sweep_ends_its_run(tmp_path, pm_path):
     out = tmp_path / "sw"
     script = tmp_path / "sweep.py"
