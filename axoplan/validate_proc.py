@@ -224,7 +224,8 @@ class SweepLock:
                     groups.append(pgid)
                     procs.append((pgid, st))
                     procs += descendants(pgid)
-        elif self.left.get("runs") and self.left.get("host") != socket.gethostname():  # a shared file system: what another host started cannot be seen from here
+        elif self.left.get("runs") and self.left.get("host") != socket.gethostname():
+            # a shared file system: what another host started cannot be seen, let alone ended, from here
             echo(f"warning: the {self.what} that last held {self.path} (on {self.left.get('host')}) died while run "
                  f"{self.left['runs'][0].get('candidate')} was under way; if that host is up, it may still be running")
         procs += [x for x in marked(self.folder.resolve(), self.marker) if x not in procs]
