@@ -42,14 +42,105 @@ def grids(model: str, gpus: int, batch: int) -> list[tuple[int, int, int, int]]:
     return sorted(out)
 
 
+REAL_CASES = [  # (gx, gy, gz, gdata), checkpointing: gpt-small, global batch 16, two micro-batches where possible
+    ((1, 1, 1, 1), False), ((1, 1, 1, 1), True), ((2, 1, 1, 1), False), ((1, 2, 1, 1), True), ((1, 1, 2, 1), False),
+    ((1, 1, 1, 2), True), ((2, 2, 1, 1), False), ((1, 1, 4, 1), True), ((1, 2, 2, 1), False), ((4, 1, 1, 1), True),
+    ((2, 2, 2, 1), False), ((1, 1, 8, 1), True), ((2, 1, 2, 2), False), ((1, 2, 4, 1), True)]
+
+
+def _real_worker(rank, world, port, cases, out_path):
+    """One gloo rank: the real trainer (fp32 on CPU, as `axoplan train` runs here) with the tracer
+    attached; the peak of live tensor bytes over the second step (the first creates AdamW's state)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from axoplan.launch import Grid, LaunchConfig
+    from axoplan.runtime.grid import build_grid
+    from axoplan.runtime.memtrace import MemoryTracer
+    from axoplan.runtime.train import Trainer, resolve
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    out = []
+    for grid, ck in cases:
+        cfg = LaunchConfig(model="gpt-small", grid=Grid(*grid), global_batch=16,
+                           micro_batch=max(1, 16 // (grid[2] * grid[3]) // 2), checkpointing=ck, metrics=None)
+        tracer = MemoryTracer("states")
+        with tracer:
+            tr = Trainer(cfg, build_grid(*grid, "xyz"), resolve(cfg))
+            tr.rt.tracer = tracer
+            with tracer.kind("transients"):
+                tr.train_step(0)
+                tracer.reset_peak()
+                tr.train_step(1)
+        tr.close()
+        out.append({"grid": grid, "checkpointing": ck, "micro_batch": cfg.micro_batch, "peak": tracer.peak,
+                    "where": tracer.peak_where})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def real_runs() -> list[dict]:
+    """gpt-small on 1, 2, 4 and 8 gloo ranks: the traced peak of the real trainer against the model."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from axoplan.machine import GIB
+    from axoplan.rank import explain
+
+    rows = []
+    for world in (1, 2, 4, 8):
+        cases = [(g, ck) for g, ck in REAL_CASES if g[0] * g[1] * g[2] * g[3] == world]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/out.json"
+            mp.start_processes(_real_worker, args=(world, port, cases, path), nprocs=world, start_method="spawn")
+            with open(path) as f:
+                traced = json.load(f)
+        for t in traced:
+            g = tuple(t["grid"])
+            ex = explain("gpt-small", "localhost-cpu", world, 16, g, micro_batch=t["micro_batch"],
+                         checkpointing=t["checkpointing"])
+            pred = float(ex.memory.gib[ex.memory.kind == "total (peak)"].iloc[0])
+            rows.append({"grid": g, "checkpointing": t["checkpointing"], "predicted_gib": pred,
+                         "traced_gib": t["peak"] / GIB, "error": pred / (t["peak"] / GIB) - 1,
+                         "predicted_at": ex.memory.attrs["peak_at"], "traced_at": t["where"]})
+            r = rows[-1]
+            print(f"{'x'.join(map(str, g)):>9} ckpt {'on ' if r['checkpointing'] else 'off'} "
+                  f"{r['predicted_gib'] * 1024:9.2f} {r['traced_gib'] * 1024:9.2f} MiB {100 * r['error']:+6.1f}%  "
+                  f"{r['predicted_at']} | {r['traced_at']}")
+            sys.stdout.flush()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=CASES, help="model:gpus:batch,...")
     ap.add_argument("--machine", default="perlmutter")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--real", action="store_true", help="also gloo runs of gpt-small on 1, 2, 4 and 8 ranks")
+    ap.add_argument("--only-real", action="store_true", help="only the gloo runs")
     args = ap.parse_args(argv)
     rows = []
-    for case in args.cases.split(","):
+    if args.real or args.only_real:
+        print("gpt-small, real gloo runs (fp32, localhost-cpu model), global batch 16: predicted vs traced peak")
+        real = real_runs()
+        errs = [abs(r["error"]) for r in real]
+        print(f"real runs: {len(real)}, |error| mean {100 * statistics.mean(errs):.2f}%, max {100 * max(errs):.2f}%")
+        rows += [{"real": True, **r} for r in real]
+        if args.only_real:
+            args.cases = ""
+    for case in filter(None, args.cases.split(",")):
         model, gpus, batch = case.split(":")
         gpus, batch = int(gpus), int(batch)
         errs = []

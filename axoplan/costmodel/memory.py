@@ -37,27 +37,26 @@ NORM_BWD_FP32_COPIES = 6
 
 @dataclass
 class Memory:
-    """Bytes live per kind at each candidate's peak, and which moment that is (index into `moments`)."""
+    """Peak bytes per candidate and which moment that is (an index into `moments`); with the breakdown,
+    the bytes live per kind at that moment (None without: ranking needs only the total)."""
 
-    states: np.ndarray
-    gathered: np.ndarray
-    gradients: np.ndarray
-    activations: np.ndarray
-    logits: np.ndarray
-    transients: np.ndarray
+    total: np.ndarray
     moment: np.ndarray
     moments: tuple = ()
-
-    @property
-    def total(self) -> np.ndarray:
-        return self.states + self.gathered + self.gradients + self.activations + self.logits + self.transients
+    states: np.ndarray | None = None
+    gathered: np.ndarray | None = None
+    gradients: np.ndarray | None = None
+    activations: np.ndarray | None = None
+    logits: np.ndarray | None = None
+    transients: np.ndarray | None = None
 
     def where(self, i: int) -> str:
         return self.moments[int(np.asarray(self.moment).reshape(-1)[i])]
 
     def map(self, f) -> Memory:
         """The same memory with f applied to every per-candidate array."""
-        return Memory(*(f(getattr(self, k)) for k in KINDS + ("moment",)), self.moments)
+        kinds = {k: None if getattr(self, k) is None else f(getattr(self, k)) for k in KINDS}
+        return Memory(f(self.total), f(self.moment), self.moments, **kinds)
 
 
 def state_bytes_per_element() -> int:
@@ -93,19 +92,23 @@ def _layer(numel, gz, e: int, grad_bytes: int | None = None) -> _Layer:
     return _Layer(gathered, dw, inflight)
 
 
-def memory(*args, **kw) -> Memory:
-    """The peak over the step's moments (arguments: step_moments'), per candidate."""
+def memory(*args, breakdown: bool = False, **kw) -> Memory:
+    """The peak over the step's moments (arguments: step_moments'), per candidate; with `breakdown`,
+    the bytes of each kind at that peak too."""
     moments = step_moments(*args, **kw)
     names = tuple(moments)
     totals = np.stack(np.broadcast_arrays(*(sum(m.values()) for m in moments.values())))
-    shape = totals.shape[1:]
     best = np.argmax(totals, axis=0)
+    total = np.take_along_axis(totals, best[None], axis=0)[0]
+    if not breakdown:
+        return Memory(total, best, names)
 
     def pick(kind):
-        stacked = np.stack([np.broadcast_to(np.asarray(m[kind], dtype=np.float64), shape) for m in moments.values()])
+        stacked = np.stack([np.broadcast_to(np.asarray(m[kind], dtype=np.float64), total.shape)
+                            for m in moments.values()])
         return np.take_along_axis(stacked, best[None], axis=0)[0]
 
-    return Memory(*(pick(k) for k in KINDS), best, names)
+    return Memory(total, best, names, **{k: pick(k) for k in KINDS})
 
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
@@ -173,38 +176,37 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     moment("backward final norm", pre * np.where(ck, qkv.gathered, fc2.gathered), lm.inflight, stack - T * hx * e,
            0.0, norm_bwd)
 
-    # ---- the last block's backward, layer by layer ------------------------------------------------
-    # under checkpointing the recompute gathers the block's four weights and keeps them; the next
-    # block's qkv is prefetched. Without it each layer gathers its own and prefetches the next.
+    # ---- the last two blocks' backward, layer by layer ----------------------------------------------
+    # Under checkpointing the recompute gathers the block's four weights and keeps each until its
+    # layer's backward; the next block's qkv is prefetched. Without it each layer gathers its own and
+    # prefetches the next. The second block finds the first's last two reduce-scatters in flight.
     kept = [qkv.gathered, out.gathered, fc1.gathered, fc2.gathered]
     order = [lm]  # reduce-scatters issued so far, oldest first
-    live = dict(saved)
     dres = T * hx * e  # the residual stream's gradient, live through the block
-    # (layer, its weights, saved tensors freed after it, activation gradients live, kept weights, next gather)
-    steps = (("fc2", fc2, ["act"], T * ffn * e, 3, fc1),
-             ("fc1", fc1, ["fc1", "h2"], T * (f1 + hx) * e, 2, out),
-             ("norm2", None, ["x1"], norm_bwd, 2, None),
-             ("attn_out", out, [], T * (hx + qh) * e, 1, qkv),
-             ("attention", None, ["sdpa"], T * (qh + 2 * kvh) * e * 2, 1, None),
-             ("qkv", qkv, ["h1"], T * (qkv_l := qh + 2 * kvh) * e + T * hx * e, 0, None),
-             ("norm1", None, [], norm_bwd, 0, None))
-    del qkv_l
+    # (layer, saved tensors freed after it, activation gradients live, kept weights live, layer in use
+    # and prefetched without checkpointing)
+    qkv_l = qh + 2 * kvh
+    steps = (("fc2", ["act"], T * ffn * e, 4, fc2, fc1),
+             ("fc1", ["fc1", "h2"], T * (f1 + hx) * e, 3, fc1, out),
+             ("norm2", ["x1"], norm_bwd, 2, None, out),
+             ("attn_out", [], T * (hx + qh) * e, 2, out, qkv),
+             ("attention", ["sdpa"], T * qkv_l * e * 2, 1, None, qkv),
+             ("qkv", ["h1"], T * qkv_l * e + T * hx * e, 1, qkv, fc2),
+             ("norm1", [], norm_bwd, 0, None, fc2))
     recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
-    for name, layer, frees_after, trans, n_kept, nxt in steps:
-        acts = earlier + x_in + T * sum(live.values()) + recomputed_out
-        if layer is not None:
-            ckpt_g = sum(kept[:n_kept + 1]) + qkv.gathered * pre  # kept ones and the next block's qkv
-            plain_g = layer.gathered + (nxt.gathered if nxt is not None else qkv.gathered) * pre
-            grads = inflight(order) + layer.dw
-        else:
-            ckpt_g = sum(kept[:n_kept + 1]) + qkv.gathered * pre
-            plain_g = (nxt.gathered if nxt is not None else 0.0) * pre
-            grads = inflight(order)
-        moment(f"backward last block {name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0, dres + trans)
-        for k in frees_after:
-            live.pop(k)
-        if layer is not None:
-            order.append(layer)
+    one_block = np.where(ck, x_in, x_in + block_saved)
+    for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
+        live = dict(saved)
+        for name, frees_after, trans, n_kept, layer, nxt in steps:
+            acts = earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out
+            ckpt_g = sum(kept[:n_kept]) + qkv.gathered * pre  # kept ones and the next block's qkv
+            plain_g = (layer.gathered if layer is not None else 0.0) + nxt.gathered * pre
+            grads = inflight(order) + (layer.dw if layer is not None else 0.0)
+            moment(f"backward {label} {name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0, dres + trans)
+            for k in frees_after:
+                live.pop(k)
+            if layer is not None:
+                order.append(layer)
 
     # the embedding's backward: every block done, its fp32 gradient block
     moment("backward embedding", 0.0, inflight(order) + emb.dw, 0.0, 0.0, dres)
