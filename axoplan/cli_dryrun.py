@@ -41,16 +41,18 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
         _emit(json.dumps(r, indent=1) + "\n", output)
         return
     c = r["config"]
+    small = r["traced_memory_gib"] < 1  # small jobs read better in MiB
+    unit, scale = ("MiB", 1024) if small else ("GiB", 1)
     head = (f"{model}: rank 0 of {gpus} ({c['gx']} x {c['gy']} x {c['gz']} x {c['gdata']}, order {c['order']}, "
             f"micro-batch {c['micro_batch']}, checkpointing {'on' if c['checkpointing'] else 'off'}, {c['dtype']}), "
             f"one training step traced with fake tensors")
-    m = Table(title="peak memory per GPU (GiB), by kind at the peak")
+    m = Table(title=f"peak memory per GPU ({unit}), by kind at the peak")
     for col in ("kind", "predicted", "traced"):
         m.add_column(col, justify="left" if col == "kind" else "right")
     for kind, v in r["memory_by_kind"].items():
-        m.add_row(kind, f"{v['predicted']:.3f}", f"{v['traced']:.3f}")
+        m.add_row(kind, f"{v['predicted'] * scale:.3f}", f"{v['traced'] * scale:.3f}")
     err = 100 * (r["predicted_memory_gib"] / r["traced_memory_gib"] - 1) if r["traced_memory_gib"] else 0.0
-    m.add_row("total", f"{r['predicted_memory_gib']:.3f}", f"{r['traced_memory_gib']:.3f}")
+    m.add_row("total", f"{r['predicted_memory_gib'] * scale:.3f}", f"{r['traced_memory_gib'] * scale:.3f}")
     t = Table(title="collectives per step (all calls together)")
     for col in ("layer", "kind", "axis", "calls predicted", "calls traced", "MiB predicted", "MiB traced", ""):
         t.add_column(col, justify="left" if col in ("layer", "kind", "axis", "") else "right")
@@ -60,8 +62,8 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
         differ += not same
         t.add_row(x["layer"], x["kind"], x["axis"], str(x["predicted_calls"]), str(x["traced_calls"]),
                   f"{x['predicted_bytes'] / 2**20:.4g}", f"{x['traced_bytes'] / 2**20:.4g}", "" if same else "DIFFERS")
-    notes = [(f"peak: predicted {r['predicted_memory_gib']:.2f} GiB at {r['predicted_peak_at']}; traced "
-             f"{r['traced_memory_gib']:.2f} GiB at {r['traced_peak_at']} ({err:+.1f}%)"),
+    notes = [(f"peak: predicted {r['predicted_memory_gib'] * scale:.2f} {unit} at {r['predicted_peak_at']}; traced "
+              f"{r['traced_memory_gib'] * scale:.2f} {unit} at {r['traced_peak_at']} ({err:+.1f}%)"),
              "collectives: " + ("every one equal in calls and bytes" if not differ else f"{differ} differ"),
              "tensors only: the CUDA context, NCCL buffers and allocator fragmentation are the profile's headroom"]
     _emit(_render([head, m, t] + notes), output)
