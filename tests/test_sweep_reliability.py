@@ -93,6 +93,13 @@ def test_kill_9_then_a_second_sweep_is_refused_and_resume_ends_the_orphans(tmp_p
                  what="the first run to start")
         run_dir = next(gpid.glob("*/grandchild.pid")).parent
         grandchild = int((run_dir / "grandchild.pid").read_text())
+        def record():
+            try:
+                return json.loads((out / "sweep.lock").read_text()).get("runs")
+            except ValueError:  # caught between the truncate and the write of an update
+                return None
+
+        wait_for(record, what="the lock to record the run")
         rec = json.loads((out / "sweep.lock").read_text())
         assert rec["pid"] == sub.pid and rec["runs"][0]["candidate"] == run_dir.name
         leader = rec["runs"][0]["pgid"]
