@@ -335,6 +335,9 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
             raise UserError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here")
         if nproc < 2:
             raise UserError("--nproc must be at least 2: collectives need two ranks")
+        cores = os.cpu_count() or 1
+        if not cuda and nproc > 16 * cores:  # each rank is a process with torch loaded: thousands would swamp the node
+            raise UserError(f"--nproc {nproc} is more than 16 ranks per core on this {cores}-core machine")
         command = f"axoplan calibrate --nproc {nproc} --out {out_p}" + (" --quick" if quick else "") + (
             f" --models {models}" if models else "") + (f" --device {device}" if device != "auto" else "") + (
             f" --parts {parts}" if parts else "")

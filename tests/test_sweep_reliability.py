@@ -571,3 +571,11 @@ def test_a_broken_calibration_folder_is_one_sentence(tmp_path, capsys, name, edi
     code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "p.yaml"), "--from-results", str(results))
     one_sentence(code, err, *words)
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_calibrate_refuses_more_ranks_than_a_cpu_node_can_hold(tmp_path, capsys):
+    pytest.importorskip("torch")
+    code, _, err = cli(capsys, "calibrate", "--out", str(tmp_path / "p.yaml"), "--results", str(tmp_path / "r"),
+                       "--nproc", str(16 * (os.cpu_count() or 1) + 1), "--device", "cpu")
+    one_sentence(code, err, "--nproc", "ranks per core")
+    assert not (tmp_path / "r").exists()
