@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from . import inputs
 from .errors import UserError
 
 
@@ -263,7 +264,7 @@ def _parts_args(parts: str, results: Path, nproc: int | None, from_results, emit
 
 
 @click.command("calibrate")
-@click.option("--nproc", type=int, default=None,
+@click.option("--nproc", type=inputs.Count(1, inputs.MAX_GPUS_PER_NODE), default=None,
               help="Ranks per node to measure with (default: the GPUs here, else the CPU cores).")
 @click.option("--out", type=str, default=None, help="Profile to write, e.g. machine_profiles/NAME.yaml.")
 @click.option("--quick", is_flag=True, help="A coarser sweep (under 3 minutes on a 2-core machine).")
@@ -279,7 +280,7 @@ def _parts_args(parts: str, results: Path, nproc: int | None, from_results, emit
               help="Measure only these parts again (comma-separated: gemm, collectives, memory, attention, "
                    "framework, trainer, overlap) on top of the complete earlier run in the results folder, "
                    "keeping the others, and write the profile from all of them.")
-@click.option("--emit-slurm", "emit_slurm", type=int, default=None, metavar="NODES",
+@click.option("--emit-slurm", "emit_slurm", type=inputs.Count(1, inputs.MAX_GPUS), default=None, metavar="NODES",
               help="Write an sbatch script that calibrates across NODES nodes, instead of measuring here.")
 @click.option("--script", type=str, default=None, help="Where --emit-slurm writes (default: calibrate-NAME.sbatch).")
 @click.option("--worker-arg", "worker_args", multiple=True, hidden=True,

@@ -512,8 +512,7 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
 
 
 def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
-    import shlex
-
+    from . import shell
     from .machine import load_profile
 
     profile = load_profile(sw.machine)
@@ -530,13 +529,14 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
     lines.append(f"#SBATCH --time={slurm_time(sw.timeout_s)}")
     if _directive_safe(str(out)):
         lines.append(f"#SBATCH --output={out}/runs/slurm-%A_%a.out")
-    lines += [f"# axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task.",
-              (f"# Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
-              f"{shlex.quote(str(out))}"),
+    where = "the sweep folder"
+    lines += [shell.comment(f"axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task."),
+              shell.comment(f"Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
+                            f"{shell.quote(str(out), where)}"),
               "set -euo pipefail",
               "# shellcheck disable=SC2016  # quoted paths are literal on purpose",
-              f"OUT={shlex.quote(str(out))}",
-              "RUNS=(" + " ".join(shlex.quote(i) for i in ids) + ")",
+              f"OUT={shell.quote(str(out), where)}",
+              "RUNS=(" + shell.join(ids, "a candidate name") + ")",
               'RUN_DIR="$OUT/runs/${RUNS[$SLURM_ARRAY_TASK_ID]}"',
               'cd "$RUN_DIR"',
               'PYTHON="${PYTHON:-python3}"',
@@ -547,7 +547,7 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
               *_env_lines(launch_env(profile)),
               f'srun --ntasks={sw.gpus} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
               f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}" > "$RUN_DIR/{LOG_NAME}" 2>&1']
-    path = atomic_write_text(out / ARRAY_FILE, "\n".join(lines) + "\n")
+    path = atomic_write_text(out / ARRAY_FILE, shell.check_script("\n".join(lines) + "\n", "the Slurm array"))
     os.chmod(path, 0o755)
     return path
 
