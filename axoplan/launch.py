@@ -38,6 +38,7 @@ class Overlap:
     reduce_scatter: bool = True  # ORS: dW reduce-scatters issued non-blocking, behind the backward compute
     all_gather: bool = True  # OAG: next layer's weight all-gather prefetched one layer ahead
     max_inflight_reduce_scatters: int = 2  # ORS: at most this many in flight; the oldest is waited for first
+    data_parallel: bool = True  # gradient D all-reduces launched per layer in the last backward, waited before clipping
 
 
 @dataclass
@@ -129,7 +130,7 @@ class LaunchConfig:
         num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:
             bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {inputs.show(self.seed)}")
-        for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        for name in ("all_reduce", "reduce_scatter", "all_gather", "data_parallel"):
             if not isinstance(getattr(self.overlap, name), bool):
                 bad(f"overlap.{name} must be true or false, got {inputs.show(getattr(self.overlap, name))}")
         if not isinstance(self.checkpointing, bool):

@@ -172,8 +172,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     add(nb, ga * (2 * L + 1))
     for cl in d["loss"]:
         add(cl, ga)
-    for cl in d["step"]:
-        add(cl, 1)
+    for cl in d["step"]:  # the gradient buckets' calls per step where overlap.data_parallel splits them
+        add(cl, cl.calls)
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
 

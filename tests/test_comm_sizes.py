@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 from axoplan.costmodel import comm as C
 from axoplan.machine import load_profile
 from axoplan.rank import explain
 from axoplan.space import Candidates, factorizations4
 from axoplan.specs import LinearShape, ModelSpec
-
-from conftest import tiny_model
 
 GB = 1e9
 US = 1e-6
@@ -235,9 +234,7 @@ def test_explain_collectives_table_by_hand(pm):
         # norms: 2 per block forward, plus the final norm
         ("norm", "fwd", "all_reduce", "x"): (64 * 2 * 4, ga * (2 * L + 1)),
         ("norm", "bwd", "all_reduce", "x"): (64 * 2 * 4, ga * (2 * L + 1)),
-        # fp32 gradient shards: per layer (1536 + 512 + 2048 + 2048) / gz = 3072 elements, x2 layers,
-        # LM head 2048/2 and embedding 2048/2: 8192 elements
-        ("gradients", "step", "all_reduce", "d"): (8192 * 4, 1),
+        # fp32 gradient shards: the trainer's buckets, all-reduced inside the last backward (checked below)
         # replicated: (2L+1) norm weights of H/gx plus S*H/gx learned positions = 160 + 2048
         ("replicated", "step", "all_reduce", "zd"): (2208 * 4, 1),
         ("token count", "step", "all_reduce", "zd"): (8, 1),
@@ -247,6 +244,15 @@ def test_explain_collectives_table_by_hand(pm):
     # the loss: two fp32 all-reduces over Y per micro-batch, the max then the sums (T x 1 and T x 2)
     loss_rows = tab[(tab.layer == "loss") & (tab.phase == "fwd")]
     assert sorted(loss_rows.bytes) == [64 * 1 * 4, 64 * 2 * 4] and (loss_rows.calls_per_step == ga).all()
+    # fp32 gradient shards over D, one call per bucket: per block (1536 + 512 + 2048 + 2048) / gz = 3072
+    # elements (L = 2 calls), the LM head 2048/2 and the embedding 2048/2 (one each): 8192 elements in all
+    grads = tab[tab.layer == "gradients"]
+    assert set(grads.phase) == {"bwd"} and set(grads.axis) == {"d"}
+    assert sorted(zip(grads.bytes, grads.calls_per_step)) == [(1024 * 4, 1), (1024 * 4, 1), (3072 * 4, L)]
+    assert (grads.bytes * grads.calls_per_step).sum() == 8192 * 4
+    for r in grads.itertuples(index=False):
+        t = 2 * (2 - 1) / 2 * r.bytes / (bw["d"] * 1e9) + 2 * 1 * lat["d"]
+        assert r.time_per_call_s == pytest.approx(t, rel=1e-9) and r.total_s == pytest.approx(t * r.calls_per_step)
     rows = {(r.layer, r.phase, r.collective, r.axis): r for r in tab.itertuples(index=False)}
     for key, (nbytes, calls) in expect.items():
         assert key in rows, f"missing {key}"

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from axoplan.runtime import selfcheck as sc  # noqa: E402
+from axoplan.runtime import selfcheck as sc
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def test_cases_cover_every_grid_and_flag():
     for world in (1, 2, 4, 8):
         cases = sc.default_cases(world)
         assert {c.grid for c in cases} == set(sc.factorizations(world))
-        for attr in ("oar", "ors", "oag", "ckpt"):
+        for attr in ("oar", "ors", "oag", "ckpt", "dp"):
             assert {getattr(c, attr) for c in cases} == {True, False}
     assert len({c.order for c in sc.default_cases(8)}) >= 2
 
@@ -34,6 +34,9 @@ def test_parallel_equals_reference(world, refs):
     # ORS keeps at most its bound of reduce-scatters in flight, and reaches it (counted on every rank)
     off = [r for r in results if r["inflight"] != r["inflight_expected"]]
     assert not off, "\n".join(f"{r['case']}: {r['inflight']} in flight, expected {r['inflight_expected']}" for r in off)
+    # overlap.data_parallel: every bucket's D all-reduce was launched inside the last backward, none without it
+    dp = [r for r in results if r["dp_overlapped"] != r["dp_expected"]]
+    assert not dp, "\n".join(f"{r['case']}: {r['dp_overlapped']} bucket calls, expected {r['dp_expected']}" for r in dp)
 
 
 def test_a_wrong_reference_is_caught(refs, tmp_path):

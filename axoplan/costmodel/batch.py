@@ -9,7 +9,10 @@ A window is one layer's step on the compute stream plus what the Z stream does m
 - ORS: a layer's gradient reduce-scatter runs on the Z stream behind the backward compute;
   without ORS it blocks.
 Forward all-reduces (X for normal layers, Y for transposed), norm statistics and the loss
-all-reduce block, as does the once-per-step data-parallel gradient all-reduce.
+all-reduce block. The data-parallel gradient all-reduce (fp32) either blocks once after the last
+backward, or (overlap.data_parallel, the trainer's default) runs per bucket (LM head, each block,
+embedding) on the D group's own stream beside the last micro-batch's backward, each launched when
+its shards are final: only the tail the backward does not cover is exposed (data_parallel_tail).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from .memory import Memory, memory
 
 # the trainer's default bound on reduce-scatters in flight (one definition: the LaunchConfig's)
 MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
+OVERLAP_DP = Overlap().data_parallel  # the trainer's default: D all-reduces inside the last backward
 
 
 @dataclass
@@ -55,6 +59,21 @@ class Evaluation:
     detail: dict = field(default_factory=dict)
 
 
+def unique_rows(*cols) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the first of each distinct row of the integer columns, and each row's index among
+    them (np.unique's first and inverse), by packing the columns into one int64 where they fit."""
+    cols = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cols]
+    key, span = np.zeros_like(cols[0]), 1
+    for c in cols:
+        top = int(c.max(initial=0)) + 1
+        if span * top >= 2**62:  # would overflow: the row-wise unique instead
+            _, first, inverse = np.unique(np.stack(cols, 1), axis=0, return_index=True, return_inverse=True)
+            return first, inverse.reshape(-1)
+        key, span = key * top + c, span * top
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
+
+
 def _zero(n):
     return 0.0  # a scalar broadcasts for free
 
@@ -71,8 +90,10 @@ def overlapped(a, b, eta: float = 1.0, slow: float = 0.0):
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
-                eta: float = 1.0, slow: float = 0.0):
-    """Total time of prefix + block * n_blocks + suffix, with identical blocks evaluated once."""
+                eta: float = 1.0, slow: float = 0.0, parts: dict | None = None):
+    """Total time of prefix + block * n_blocks + suffix, with identical blocks evaluated once.
+    parts (a dict) receives the prefix's time (with the first all-gather), one interior block's, the
+    last block's and the suffix's: total = prefix + block * (n_blocks - 1) + last + suffix."""
 
     def window_time(w: Window, nxt: Window | None):
         if oag:
@@ -101,14 +122,36 @@ def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, reco
         last = last + t_last
         if record is not None:
             record.append((w, t_int * (n_blocks - 1) + t_last, n_blocks))
+    t_prefix = total
     total = total + interior * (n_blocks - 1) + last
+    t_suffix = 0.0
     for i, w in enumerate(suffix):
         nxt = suffix[i + 1] if i + 1 < len(suffix) else None
         t = window_time(w, nxt)
-        total = total + t
+        t_suffix = t_suffix + t
         if record is not None:
             record.append((w, t, 1))
-    return total
+    if parts is not None:
+        parts.update(prefix=t_prefix, block=interior, last=last, suffix=t_suffix)
+    return total + t_suffix
+
+
+def data_parallel_tail(t_end, t_first, t_block, n_blocks: int, lag, s_first, s_block, s_last):
+    """Seconds the D stream runs past the end of the last backward (of length t_end) when each bucket's
+    all-reduce is queued on it as the bucket's shards become final, one call at a time, in order: the
+    first bucket (LM head) after the first window (t_first) and `lag` blocks, block j (j = 0 first in
+    the backward) after j + 1 + lag block windows of t_block, both at the latest at t_end (the last
+    reduce-scatters are collected there), the last bucket (embedding) at t_end. A queue finishes at
+    max over buckets of (arrival + every service from it on); over identical blocks that is concave in
+    j, so its maximum is at an end or beside the kink where the arrivals reach t_end."""
+    rest = n_blocks * s_block + s_last
+    finish = np.maximum(np.minimum(t_first + lag * t_block, t_end) + s_first + rest, t_end + s_last)
+    kink = np.floor((t_end - t_first) / np.maximum(t_block, 1e-30) - 1 - lag)
+    for j in (np.zeros_like(kink), kink, kink + 1, np.full_like(kink, n_blocks - 1)):
+        j = np.clip(j, 0, n_blocks - 1)
+        arrive = np.minimum(t_first + (j + 1 + lag) * t_block, t_end)
+        finish = np.maximum(finish, arrive + (n_blocks - j) * s_block + s_last)
+    return np.maximum(finish - t_end, 0.0)
 
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
@@ -210,10 +253,11 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     L = model.n_layers
     t_fwd = run_windows([emb_f], fwd_block, [lm_f], L, overlap, overlap, rec_f, eta, slow)
     bwd_plain = [bwd_window(i, True) for i in reversed(range(4))]
-    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b, eta, slow)
+    parts_plain, parts_ck = {}, {}
+    t_bwd_plain = run_windows([lm_b], bwd_plain, [emb_b], L, overlap, overlap, rec_b, eta, slow, parts_plain)
     recompute = [Window(w.name + " (recompute)", w.compute, w.blocking, w.ag, w.rs) for w in fwd_block]
     bwd_ck = recompute + [bwd_window(i, False) for i in reversed(range(4))]
-    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc, eta, slow)
+    t_bwd_ck = run_windows([lm_b], bwd_ck, [emb_b], L, overlap, overlap, rec_bc, eta, slow, parts_ck)
     t_bwd = np.where(ck, t_bwd_ck, t_bwd_plain)
 
     # ---- compute and communication totals per micro-batch ------------------------------------
@@ -242,17 +286,45 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         # collective ran in it), the loss after the optimizer, the rest back to back
         g_step = (dataclasses.replace(g, burst=np.where(calls > 0, g.burst, comp0)),
                   dataclasses.replace(g, burst=t_opt), dataclasses.replace(g, burst=0.0))
-    step_colls = C.data_parallel_collectives(profile, g_step, shard.astype(np.float64), replicated)
-    t_dp = sum(s.seconds for s in step_colls)
+    overlap_dp = overlap and OVERLAP_DP
+    buckets = None
+    if overlap_dp:  # the trainer's buckets: each block's four shards, the LM head, the embedding
+        buckets = C.gradient_buckets(sum(C.shard_elems(b, gz) for b in block_elems).astype(np.float64),
+                                     C.shard_elems(lm_elems, gz).astype(np.float64),
+                                     C.shard_elems(emb_elems, gz).astype(np.float64), L)
+    step_colls = C.data_parallel_collectives(profile, g_step, shard.astype(np.float64), replicated, buckets)
+    comm_dp = sum(s.seconds * s.calls for s in step_colls)
+    t_dp = sum(s.seconds * s.calls for s in step_colls[len(buckets or ()):])
+    t_dp_hidden = 0.0
+    if overlap_dp:
+        # D stream beside the last backward; a shard is final when its reduce-scatter is collected: at
+        # once without ORS or Z, else about max_inflight reduce-scatters (of 4 per block) later
+        lag = np.where(gz > 1, min(MAX_INFLIGHT_RS / 4, 1.0), 0.0)
+        part = {k: np.where(ck, parts_ck[k], parts_plain[k]) for k in parts_plain}
+        s_lm, s_blk, s_emb = (cl.seconds for cl in step_colls[:3])
+        tail = data_parallel_tail(t_bwd, part["prefix"], part["block"], L, lag, s_lm, s_blk, s_emb)
+        t_dp_hidden = s_lm + L * s_blk + s_emb - tail
+        # what runs beside the backward still costs (1 - eta) of itself (shared cores), or slows the GEMMs
+        t_dp = t_dp + tail + overlapped(t_bwd, t_dp_hidden, eta, slow) - t_bwd
 
     batch = grad_acc * (t_fwd + t_bwd) + t_dp + t_opt + profile.corrections.step_overhead_s
     compute_total = grad_acc * comp_mb + t_opt
-    comm_total = grad_acc * comm_mb + t_dp
+    comm_total = grad_acc * comm_mb + comm_dp
     exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
 
     # ---- memory ------------------------------------------------------------------------------------
-    mem = memory(model, gx, gy, gz, T, ck, shard.astype(np.float64), replicated, block_elems, lm_elems, emb_elems,
-                 e, prefetch=overlap, max_inflight_rs=MAX_INFLIGHT_RS if overlap else 0)
+    # memory depends on (gx, gy, gz, micro-batch, checkpointing) only: evaluated once per distinct row
+    ck_rows = np.broadcast_to(ck, np.shape(gx)) if np.ndim(ck) <= 1 else np.zeros(np.shape(gx), dtype=bool)
+    first, inverse = unique_rows(gx, gy, gz, mb, ck_rows)
+
+    def pick(x):
+        return x[first] if np.ndim(x) else x
+
+    mem = memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
+                 pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in block_elems], pick(lm_elems),
+                 pick(emb_elems), e, prefetch=overlap, max_inflight_rs=MAX_INFLIGHT_RS if overlap else 0,
+                 breakdown=explain)
+    mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
@@ -271,6 +343,6 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         detail = {"fwd": rec_f, "bwd": rec_b, "bwd_ckpt": rec_bc, "step": step_colls, "grad_acc": grad_acc,
                   "collectives": {"block": col, "lm_head": col_lm, "embedding": col_emb},
                   "norm": (norm_f, norm_b), "loss": loss_c, "groups": g, "t_fwd": t_fwd, "t_bwd": t_bwd,
-                  "t_dp": t_dp, "t_opt": t_opt, "gemm": gem, "gemm_lm": gem_lm, "attention": (attn_f, attn_b)}
+                  "t_dp": t_dp, "t_dp_hidden": t_dp_hidden, "t_opt": t_opt, "gemm": gem, "gemm_lm": gem_lm, "attention": (attn_f, attn_b)}
     return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
                       extrapolated, detail)

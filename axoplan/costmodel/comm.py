@@ -164,6 +164,7 @@ class Collective:
     axis: str  # x, y, z, d
     nbytes: np.ndarray
     seconds: np.ndarray
+    calls: int = 1  # calls per micro-batch (or per step) of this size: the gradient buckets share one row
 
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
@@ -248,9 +249,17 @@ def loss_collectives(profile, g: Groups, tokens) -> tuple[Collective, Collective
             _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 2 * FP32))
 
 
-def data_parallel_collectives(profile, g, shard_elements, replicated_elements) -> list[Collective]:
+def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int) -> list[tuple[str, np.ndarray, int]]:
+    """The trainer's buckets of the overlapped D all-reduce (ParallelGPT.grad_buckets), in the order the
+    last backward finishes them: (which, fp32 elements per call, calls): the LM head, each block's four
+    shards (n_layers calls), the embedding."""
+    return [("lm_head", lm_shard, 1), ("block", block_shards, n_layers), ("embedding", emb_shard, 1)]
+
+
+def data_parallel_collectives(profile, g, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
     """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
-    buffer); replicated parameters (norm weights, positions) over Z and D together; the kept-token
+    buffer; or with `buckets` (gradient_buckets) one call per bucket, launched inside the last
+    backward: the first len(buckets) rows, phase 'bwd'); replicated parameters (norm weights, positions) over Z and D together; the kept-token
     count and the loss over Z and D; the squared gradient norm over every GPU; the barrier that
     closes each timed step. `g` may be three placements (after the backward, after the optimizer,
     back to back) that differ only in the compute burst before each call (measured tables)."""
@@ -265,8 +274,12 @@ def data_parallel_collectives(profile, g, shard_elements, replicated_elements) -
         return dataclasses.replace(b2b, burst=np.where(first[name], after_bwd.burst, 0.0)) \
             if b2b.shapes is not None else b2b
 
-    return [
-        _coll(profile, after("gradients"), "gradients", "step", "all_reduce", "d", shard_elements * FP32),
+    if buckets is None:
+        grads = [_coll(profile, after("gradients"), "gradients", "step", "all_reduce", "d", shard_elements * FP32)]
+    else:
+        grads = [dataclasses.replace(_coll(profile, after_bwd, "gradients", "bwd", "all_reduce", "d", elems * FP32),
+                                     calls=calls) for _, elems, calls in buckets]
+    return grads + [
         _coll(profile, after("replicated"), "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
         _coll(profile, b2b, "token count", "step", "all_reduce", "zd", 8.0),
         _coll(profile, after_opt, "loss", "step", "all_reduce", "zd", 8.0),

@@ -92,7 +92,7 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     why = ex.summary["reason"][0]
     if why and "GiB" not in why:  # out of memory is worth tracing; a grid the model cannot split is not
         raise UserError(f"grid {','.join(map(str, grid))} cannot run {model}: {why}")
-    ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap)
+    ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap, data_parallel=overlap)
     cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=global_batch,
                        micro_batch=int(row.micro_batch), seq_len=seq_len, checkpointing=bool(row.checkpointing),
                        overlap=ov, metrics=None)

@@ -18,8 +18,20 @@ import torch.nn.functional as F
 from ..specs import ModelSpec
 from .loss import vocab_parallel_cross_entropy
 from .norm import sharded_norm
-from .parallel_linear import LinearSpec, Runtime, ShardedWeight, parallel_embedding, parallel_linear
-from .reference import apply_rope, attention, full_param_shapes, iter_full_init, rope_tables
+from .parallel_linear import (
+    LinearSpec,
+    Runtime,
+    ShardedWeight,
+    parallel_embedding,
+    parallel_linear,
+)
+from .reference import (
+    apply_rope,
+    attention,
+    full_param_shapes,
+    iter_full_init,
+    rope_tables,
+)
 
 BLOCK_LINEARS = ("qkv", "attn_out", "fc1", "fc2")
 FULL_INIT_MAX_PARAMS = 1 << 28  # above this, each rank draws only its own blocks (see init)
@@ -76,11 +88,12 @@ class ParallelGPT:
             self.replicated[name] = torch.nn.Parameter(t)
         self._init(seed, init_params)
 
-        # gradients: all weight shards are views of one flat fp32 buffer -> one D all-reduce
+        # gradients: all weight shards are views of one flat fp32 buffer -> one D all-reduce, or one per bucket
         total = sum(w.shard_len for w in self.weights.values())
         self.grad_buffer = torch.zeros(total, device=self.device)
         off = 0
         for w in self.weights.values():
+            w.grad_offset = off
             w.param.grad = self.grad_buffer[off:off + w.shard_len]
             off += w.shard_len
 
@@ -88,7 +101,7 @@ class ParallelGPT:
     def _out_columns(self, name: str, n: int, parts: int, i: int) -> torch.Tensor:
         s = self.spec
         if name == "qkv":  # whole heads of q, k and v for this Y shard
-            hd, q, kv = s.head_dim, s.n_heads * s.head_dim, s.kv_heads * s.head_dim
+            q, kv = s.n_heads * s.head_dim, s.kv_heads * s.head_dim
             return torch.cat([_part(q, parts, i), q + _part(kv, parts, i), q + kv + _part(kv, parts, i)])
         if name == "fc1" and s.mlp == "swiglu":  # matching gate and up columns
             return torch.cat([_part(s.ffn, parts, i), s.ffn + _part(s.ffn, parts, i)])
@@ -144,6 +157,19 @@ class ParallelGPT:
             if g.size > 1:
                 dist.all_reduce(full)  # one writer per element: the sum is exact
             out[name] = full.cpu()
+        return out
+
+    def grad_buckets(self) -> list[tuple[list[ShardedWeight], torch.Tensor]]:
+        """The buckets of the overlapped data-parallel all-reduce, in buffer order: the embedding, each
+        block's four weights, the LM head (n_layers + 2; the cost model counts the same). Each is its
+        weights and the contiguous slice of grad_buffer their shards occupy (adjacent by construction)."""
+        w, n = self.weights, self.spec.n_layers
+        groups = [[w["tok_emb"]]] + [[w[f"blocks.{i}.{l}"] for l in BLOCK_LINEARS] for i in range(n)] + [[w["lm_head"]]]
+        out = []
+        for ws in groups:
+            lo, hi = ws[0].grad_offset, ws[-1].grad_offset + ws[-1].shard_len
+            assert hi - lo == sum(x.shard_len for x in ws), "a bucket's shards must be adjacent in grad_buffer"
+            out.append((ws, self.grad_buffer[lo:hi]))
         return out
 
     def sharded_params(self) -> list[torch.nn.Parameter]:

@@ -7,8 +7,11 @@ W[k/gx slice of x, n/gy slice of y], flattened and split into gz equal flat shar
             all-reduce over Y (OAR: async under the dW GEMM), dW = Iᵀ·dO reduce-scatter over Z
             (ORS: async, at most `max_inflight_rs` in flight: issuing one more first waits for the
             oldest, whose full-size gradient block is then released, as FSDP bounds them)
-The transposed layer swaps X and Y. The gradient shards accumulate over micro-batches; the
-data-parallel all-reduce of all shards happens once per step (Runtime.reduce_gradients).
+The transposed layer swaps X and Y. The gradient shards accumulate over micro-batches; their
+data-parallel all-reduce happens once per step: with overlap.data_parallel, on the last micro-batch
+each bucket (a contiguous slice of the gradient buffer, see ParallelGPT.grad_buckets) is all-reduced
+over D asynchronously as soon as all its shards are final, beside the rest of the backward
+(Runtime.arm_data_parallel / finish_data_parallel); otherwise in one blocking call after it.
 OAG: the weight all-gathers of one micro-batch follow a sequence known in advance (forward,
 recompute, backward), so each `gather` launches the next one asynchronously.
 """
@@ -89,11 +92,12 @@ class Runtime:
 
     def __init__(self, grid: ParallelGrid, *, compute_dtype=torch.float32, collective_dtype=torch.float32,
                  overlap_all_reduce=True, overlap_reduce_scatter=True, overlap_all_gather=True,
-                 max_inflight_rs: int = 2, blas_tuning=False):
+                 max_inflight_rs: int = 2, blas_tuning=False, overlap_data_parallel=True):
         self.grid = grid
         self.cdt = compute_dtype
         self.coll = collective_dtype
         self.oar, self.ors, self.oag = overlap_all_reduce, overlap_reduce_scatter, overlap_all_gather
+        self.odp = overlap_data_parallel
         self.max_inflight_rs = max(1, int(max_inflight_rs))
         self.max_inflight_seen = 0  # the most reduce-scatters ever in flight at once (the bound's proof)
         self.calls: list[CollectiveCall] | None = None  # a list: every collective is recorded into it
@@ -104,6 +108,12 @@ class Runtime:
         self._cursor = 0
         self._prefetched: tuple[int, torch.Tensor, object] | None = None
         self._pending_rs: list[tuple[ShardedWeight, _Pending]] = []
+        # overlapped D all-reduce: bucket of each weight, shards still to finish per bucket, launched works
+        self._dp_bucket_of: dict[ShardedWeight, int] = {}
+        self._dp_left: list[int] = []
+        self._dp_buckets: list[torch.Tensor] = []
+        self._dp_work: list = []
+        self.dp_overlapped = 0  # bucket all-reduces launched inside a backward (the mechanism's proof)
         self.sequence_misses = 0  # gathers that did not follow the announced sequence (a bug if > 0)
         self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         # host time spent blocked on collectives: the exposed communication on CPU/gloo (with NCCL
@@ -238,9 +248,40 @@ class Runtime:
         self.wait(p.work)
         self._accumulate(w, p.buf)
 
-    @staticmethod
-    def _accumulate(w: ShardedWeight, g: torch.Tensor) -> None:
+    def _accumulate(self, w: ShardedWeight, g: torch.Tensor) -> None:
         w.param.grad.add_(g.to(w.param.grad.dtype))
+        i = self._dp_bucket_of.pop(w, None)
+        if i is not None:
+            self._dp_left[i] -= 1
+            if self._dp_left[i] == 0:  # the bucket's last shard is final: reduce it over D beside the backward
+                self._launch_dp(i)
+
+    # ---- data-parallel gradient all-reduce overlapped with the last backward -------------------
+    def arm_data_parallel(self, buckets: list[tuple[list[ShardedWeight], torch.Tensor]]) -> bool:
+        """Before the step's last micro-batch: each (weights, contiguous fp32 gradient slice) bucket is
+        all-reduced over D as soon as every weight in it has accumulated its last gradient. False
+        (nothing armed) when the flag is off or D is not split."""
+        if not self.odp or self._group("d") is None:
+            return False
+        self._dp_bucket_of = {w: i for i, (ws, _) in enumerate(buckets) for w in ws}
+        self._dp_left = [len(ws) for ws, _ in buckets]
+        self._dp_buckets = [t for _, t in buckets]
+        self._dp_work = []
+        return True
+
+    def _launch_dp(self, i: int, inside_backward: bool = True) -> None:
+        self._dp_left[i] = -1  # launched: never twice
+        self.dp_overlapped += inside_backward
+        self._dp_work.append(self.all_reduce(self._dp_buckets[i], "d", async_op=True, layer="gradients", exact=True))
+
+    def finish_data_parallel(self) -> None:
+        """Wait for every bucket's D all-reduce (a bucket whose shards never all arrived is reduced now)."""
+        for i, left in enumerate(self._dp_left):
+            if left >= 0:
+                self._launch_dp(i, inside_backward=False)
+        for work in self._dp_work:
+            self.wait(work)
+        self._dp_bucket_of, self._dp_left, self._dp_buckets, self._dp_work = {}, [], [], []
 
     def finish_backward(self) -> None:
         """End of one micro-batch's backward: collect the outstanding reduce-scatters."""

@@ -26,7 +26,12 @@ from ..launch import Goldfish, Grid, LaunchConfig, Overlap
 from ..specs import ModelSpec
 from .data import SyntheticText
 from .grid import build_grid
-from .reference import ReferenceGPT, init_full_params, reference_optimizer, reference_step
+from .reference import (
+    ReferenceGPT,
+    init_full_params,
+    reference_optimizer,
+    reference_step,
+)
 from .train import Resolved, Trainer
 
 # gpt-tiny's shapes with a vocabulary that needs padding (200 -> 256), so the masking is exercised
@@ -57,10 +62,11 @@ class Case:
     goldfish: bool = False
     blas: bool = False
     inflight: int = 2  # reduce-scatters in flight at most (ORS)
+    dp: bool = True  # overlap.data_parallel: D all-reduce per bucket inside the last backward
 
     def label(self) -> str:
         gx, gy, gz, gd = self.grid
-        flags = "".join(n for n, on in (("R", self.oar), ("S", self.ors), ("G", self.oag)) if on) or "-"
+        flags = "".join(n for n, on in (("R", self.oar), ("S", self.ors), ("G", self.oag), ("D", self.dp)) if on) or "-"
         extra = "".join([" ckpt" if self.ckpt else "", " goldfish" if self.goldfish else "",
                          " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else "",
                          f" inflight={self.inflight}" if self.inflight != 2 else ""])
@@ -83,14 +89,16 @@ def default_cases(world: int) -> list[Case]:
     cases = []
     for g in grids:  # every grid with everything on, and with everything off plus checkpointing
         cases.append(Case(g))
-        cases.append(Case(g, oar=False, ors=False, oag=False, ckpt=True))
+        cases.append(Case(g, oar=False, ors=False, oag=False, ckpt=True, dp=False))
     if world == 8:  # every grid in two placement orders: xyz with the flags on, zyx with them off
         for i, g in enumerate(grids):
             cases[2 * i + 1].order = "zyx"
         full = (2, 2, 2, 1)  # X, Y and Z all split: each flag alone
-        cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False)]
+        cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False),
+                  Case((2, 1, 2, 2), dp=False), Case((1, 2, 1, 4), ors=False, ckpt=True)]
     if world == 4:
         cases += [Case((2, 2, 1, 1), order="yxz"), Case((1, 2, 2, 1), order="zyx", ckpt=True),
+                  Case((1, 1, 2, 2), dp=False), Case((1, 1, 2, 2), ors=False, oag=False),
                   Case((1, 1, 4, 1), inflight=1), Case((2, 1, 2, 1), inflight=3, ckpt=True)]
     # the Llama-style variant (kv heads 2: gy <= 2), goldfish loss and BLAS tuning on a few grids
     small_y = [g for g in grids if g[1] <= 2]
@@ -124,7 +132,7 @@ def _config(case: Case, model_path: str) -> LaunchConfig:
     micro = max(1, GLOBAL_BATCH // (gd * gz) // 2)  # two micro-batches where there are two samples
     return LaunchConfig(model=model_path, grid=Grid(gx, gy, gz, gd), order=case.order, global_batch=GLOBAL_BATCH,
                         micro_batch=micro, seq_len=SEQ, steps=STEPS, lr=LR, weight_decay=0.1, grad_clip=GRAD_CLIP,
-                        overlap=Overlap(case.oar, case.ors, case.oag, case.inflight), checkpointing=case.ckpt,
+                        overlap=Overlap(case.oar, case.ors, case.oag, case.inflight, case.dp), checkpointing=case.ckpt,
                         goldfish=Goldfish(4, 3) if case.goldfish else None, metrics=None, seed=SEED)
 
 
@@ -153,6 +161,7 @@ def run_case(case: Case, ref: dict, model_path: str) -> dict:
         err["param"] = max(err["param"], float((p.detach() - exp).abs().max()))
     err["misses"] = float(trainer.rt.sequence_misses)
     err["inflight"] = trainer.rt.max_inflight_seen  # the most reduce-scatters in flight at once
+    err["dp_overlapped"] = trainer.rt.dp_overlapped  # bucket D all-reduces launched inside a backward
     full = model.gather_full_params()  # the API the memorization study uses
     err["gathered"] = max(float((full[n] - ref["final"][n]).abs().max()) for n in full)
     trainer.close()
@@ -180,7 +189,8 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], refs: dict, out
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         worst = dict(zip(sorted(err), vec.tolist()))
         results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst,
-                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case)})
+                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case),
+                        "dp_expected": _dp_expected(case)})
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     dist.barrier()  # every rank done with every group before any of them tears the world down
@@ -191,6 +201,12 @@ def _inflight_expected(case: Case) -> int:
     """The most reduce-scatters that can be in flight: the bound with ORS on a split Z (a backward has far
     more layers than any bound tested), none otherwise (no reduce-scatter, or each waited at once)."""
     return case.inflight if case.ors and case.grid[2] > 1 else 0
+
+
+def _dp_expected(case: Case) -> int:
+    """Bucket D all-reduces launched inside the backwards of all steps: n_layers + 2 per step with the flag
+    on and D split, none otherwise (one blocking call after the backward instead)."""
+    return STEPS * (MODELS[case.model].n_layers + 2) if case.dp and case.grid[3] > 1 else 0
 
 
 def _free_port() -> int:

@@ -119,7 +119,7 @@ class Trainer:
         self.rt = Runtime(grid, compute_dtype=res.compute_dtype, collective_dtype=res.collective_dtype,
                           overlap_all_reduce=ov.all_reduce, overlap_reduce_scatter=ov.reduce_scatter,
                           overlap_all_gather=ov.all_gather, max_inflight_rs=ov.max_inflight_reduce_scatters,
-                          blas_tuning=res.blas_tuning)
+                          blas_tuning=res.blas_tuning, overlap_data_parallel=ov.data_parallel)
         self.model = ParallelGPT(self.spec, self.rt, seed=cfg.seed, checkpointing=cfg.checkpointing,
                                  device=res.device, init_params=init_params)
         m = self.model
@@ -165,8 +165,11 @@ class Trainer:
         for p in model.replicated_params():
             p.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.res.device)
+        dp_armed = False
         for m in range(self.grad_acc):
             rt.start_sequence(model.gather_sequence(backward=True))
+            if m == self.grad_acc - 1:  # the gradients become final in this backward: reduce them over D inside it
+                dp_armed = rt.arm_data_parallel(model.grad_buckets())
             with rt.memory_kind("activations"):
                 part = model.loss_sum(tokens[m * mb:(m + 1) * mb], keep[m * mb:(m + 1) * mb])
             with rt.memory_kind("transients"):
@@ -174,18 +177,22 @@ class Trainer:
                 rt.finish_backward()
             loss_sum += part.detach().double()
         rt.moment("step")
-        self.reduce_gradients()
+        self.reduce_gradients(overlapped=dp_armed)
         grad_norm = self.clip_gradients()
         with rt.memory_kind("states"):  # AdamW's moments appear at the first step
             self.opt.step()
         rt.all_reduce(loss_sum, "zd", layer="loss")
         return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
 
-    def reduce_gradients(self) -> None:
-        """Once per step: weight-shard gradients over D (fp32, one buffer); replicated parameters
-        (norms, positions) over Z and D, where the samples differ."""
+    def reduce_gradients(self, overlapped: bool = False) -> None:
+        """Once per step: weight-shard gradients over D (fp32: one buffer, or with overlapped its
+        buckets, already launched during the last backward: only waited for here); replicated
+        parameters (norms, positions) over Z and D, where the samples differ."""
         model, rt = self.model, self.rt
-        rt.all_reduce(model.grad_buffer, "d", layer="gradients", exact=True)
+        if overlapped:
+            rt.finish_data_parallel()
+        else:
+            rt.all_reduce(model.grad_buffer, "d", layer="gradients", exact=True)
         reps = model.replicated_params()
         for p in reps:
             if p.grad is None:
