@@ -173,7 +173,9 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     for cl in d["loss"]:
         add(cl, ga)
     for cl in d["step"]:  # the gradient buckets' calls per step where overlap.data_parallel splits them
-        add(cl, cl.calls)
+        calls = int(np.ravel(cl.calls)[0])
+        if calls:
+            add(cl, calls)
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
 

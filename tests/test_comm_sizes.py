@@ -195,7 +195,7 @@ def test_ring_time_uses_per_collective_scales(write_profile):
 
 
 # ---- explain()'s collectives table ---------------------------------------------------------
-def test_explain_collectives_table_by_hand(pm):
+def test_explain_collectives_table_by_hand(pm, monkeypatch):
     """gpt-tiny-like model (L=2, H=64, 8 heads, V=256, S=64) on grid 2x4x2x2, order xyz, global batch 8,
     micro-batch 1, no checkpointing: T = 64 tokens, grad_acc = 8/(2*2*1) = 2.
     Bandwidths: X 76 (size 2 stride 1), Y 40 (size 4 stride 2), Z 20 (size 2 stride 8), D 20 (stride 16)."""
@@ -244,12 +244,15 @@ def test_explain_collectives_table_by_hand(pm):
     # the loss: two fp32 all-reduces over Y per micro-batch, the max then the sums (T x 1 and T x 2)
     loss_rows = tab[(tab.layer == "loss") & (tab.phase == "fwd")]
     assert sorted(loss_rows.bytes) == [64 * 1 * 4, 64 * 2 * 4] and (loss_rows.calls_per_step == ga).all()
-    # fp32 gradient shards over D, one call per bucket: per block (1536 + 512 + 2048 + 2048) / gz = 3072
-    # elements (L = 2 calls), the LM head 2048/2 and the embedding 2048/2 (one each): 8192 elements in all
+    # fp32 gradient shards over D: per block (1536 + 512 + 2048 + 2048) / gz = 3072 elements, x2 layers, the
+    # LM head 2048/2 and the embedding 2048/2: 8192 elements, under the 25 MiB bucket cap: one bucket, one call
     grads = tab[tab.layer == "gradients"]
-    assert set(grads.phase) == {"bwd"} and set(grads.axis) == {"d"}
-    assert sorted(zip(grads.bytes, grads.calls_per_step)) == [(1024 * 4, 1), (1024 * 4, 1), (3072 * 4, L)]
-    assert (grads.bytes * grads.calls_per_step).sum() == 8192 * 4
+    assert list(zip(grads.phase, grads.axis, grads.bytes, grads.calls_per_step)) == [("bwd", "d", 8192 * 4, 1)]
+    # buckets closing at any size (a cap of 4 bytes): the LM head, each block (L calls), the embedding
+    monkeypatch.setattr(C, "DP_BUCKET_BYTES", 4)
+    split = explain(m, pm, 32, 8, (2, 4, 2, 2), order="xyz", micro_batch=1, checkpointing=False).collectives
+    grads = split[split.layer == "gradients"]
+    assert list(zip(grads.bytes, grads.calls_per_step)) == [(1024 * 4, 1), (3072 * 4, L), (1024 * 4, 1)]
     for r in grads.itertuples(index=False):
         t = 2 * (2 - 1) / 2 * r.bytes / (bw["d"] * 1e9) + 2 * 1 * lat["d"]
         assert r.time_per_call_s == pytest.approx(t, rel=1e-9) and r.total_s == pytest.approx(t * r.calls_per_step)

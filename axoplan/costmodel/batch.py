@@ -136,21 +136,26 @@ def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, reco
     return total + t_suffix
 
 
-def data_parallel_tail(t_end, t_first, t_block, n_blocks: int, lag, s_first, s_block, s_last):
-    """Seconds the D stream runs past the end of the last backward (of length t_end) when each bucket's
-    all-reduce is queued on it as the bucket's shards become final, one call at a time, in order: the
-    first bucket (LM head) after the first window (t_first) and `lag` blocks, block j (j = 0 first in
-    the backward) after j + 1 + lag block windows of t_block, both at the latest at t_end (the last
-    reduce-scatters are collected there), the last bucket (embedding) at t_end. A queue finishes at
-    max over buckets of (arrival + every service from it on); over identical blocks that is concave in
-    j, so its maximum is at an end or beside the kink where the arrivals reach t_end."""
-    rest = n_blocks * s_block + s_last
-    finish = np.maximum(np.minimum(t_first + lag * t_block, t_end) + s_first + rest, t_end + s_last)
-    kink = np.floor((t_end - t_first) / np.maximum(t_block, 1e-30) - 1 - lag)
-    for j in (np.zeros_like(kink), kink, kink + 1, np.full_like(kink, n_blocks - 1)):
-        j = np.clip(j, 0, n_blocks - 1)
-        arrive = np.minimum(t_first + (j + 1 + lag) * t_block, t_end)
-        finish = np.maximum(finish, arrive + (n_blocks - j) * s_block + s_last)
+def data_parallel_tail(t_end, t_first, t_block, lag, first_blocks, per_bucket, middle, single, s_first, s_mid,
+                       s_last, last_calls):
+    """Seconds the D stream runs past the end of the last backward (t_end) when each bucket's all-reduce
+    (comm.gradient_buckets) is queued on it once its last shard is final, one call at a time, in order.
+    Block j (0 first in the backward) is final j + 1 + lag block windows (t_block) after the LM head's
+    window (t_first), at the latest at t_end where the last reduce-scatters are collected; a bucket
+    holding the embedding at t_end. A queue finishes at the max over buckets of (arrival + every
+    service from it on); over the identical middle buckets that is concave, so its maximum is at an
+    end or beside the kink where the arrivals reach t_end."""
+    per = np.maximum(np.asarray(per_bucket, dtype=np.float64), 1.0)
+    k0, mid = np.asarray(first_blocks, dtype=np.float64), np.asarray(middle, dtype=np.float64)
+    rest = mid * s_mid + last_calls * s_last
+    arrive1 = np.where(single, t_end, np.minimum(t_first + (k0 + lag) * t_block, t_end))
+    finish = np.maximum(arrive1 + s_first + rest, t_end + last_calls * s_last)
+    kink = np.floor(((t_end - t_first) / np.maximum(t_block, 1e-30) - k0 - lag) / per - 1)
+    top = np.maximum(mid - 1, 0)
+    for m in (np.zeros_like(kink), kink, kink + 1, top):
+        m = np.clip(m, 0, top)
+        arrive = np.minimum(t_first + (k0 + (m + 1) * per + lag) * t_block, t_end)
+        finish = np.where(mid > 0, np.maximum(finish, arrive + (mid - m) * s_mid + last_calls * s_last), finish)
     return np.maximum(finish - t_end, 0.0)
 
 
@@ -287,25 +292,31 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         g_step = (dataclasses.replace(g, burst=np.where(calls > 0, g.burst, comp0)),
                   dataclasses.replace(g, burst=t_opt), dataclasses.replace(g, burst=0.0))
     overlap_dp = overlap and OVERLAP_DP
-    buckets = None
-    if overlap_dp:  # the trainer's buckets: each block's four shards, the LM head, the embedding
-        buckets = C.gradient_buckets(sum(C.shard_elems(b, gz) for b in block_elems).astype(np.float64),
-                                     C.shard_elems(lm_elems, gz).astype(np.float64),
-                                     C.shard_elems(emb_elems, gz).astype(np.float64), L)
-    step_colls = C.data_parallel_collectives(profile, g_step, shard.astype(np.float64), replicated, buckets)
+    plan = None
+    if overlap_dp:  # the trainer's buckets, one definition: comm.gradient_buckets
+        plan = C.gradient_buckets(sum(C.shard_elems(b, gz) for b in block_elems), C.shard_elems(lm_elems, gz),
+                                  C.shard_elems(emb_elems, gz), L)
+    step_colls = C.data_parallel_collectives(profile, g_step, shard.astype(np.float64), replicated,
+                                             plan.rows if plan else None)
     comm_dp = sum(s.seconds * s.calls for s in step_colls)
-    t_dp = sum(s.seconds * s.calls for s in step_colls[len(buckets or ()):])
+    n_grad = len(plan.rows) if plan else 1
+    t_others = sum(s.seconds for s in step_colls[n_grad:])
+    t_grad = step_colls[0].seconds
     t_dp_hidden = 0.0
     if overlap_dp:
         # D stream beside the last backward; a shard is final when its reduce-scatter is collected: at
         # once without ORS or Z, else about max_inflight reduce-scatters (of 4 per block) later
         lag = np.where(gz > 1, min(MAX_INFLIGHT_RS / 4, 1.0), 0.0)
         part = {k: np.where(ck, parts_ck[k], parts_plain[k]) for k in parts_plain}
-        s_lm, s_blk, s_emb = (cl.seconds for cl in step_colls[:3])
-        tail = data_parallel_tail(t_bwd, part["prefix"], part["block"], L, lag, s_lm, s_blk, s_emb)
-        t_dp_hidden = s_lm + L * s_blk + s_emb - tail
-        # what runs beside the backward still costs (1 - eta) of itself (shared cores), or slows the GEMMs
-        t_dp = t_dp + tail + overlapped(t_bwd, t_dp_hidden, eta, slow) - t_bwd
+        (s1, sm, sl), (cm, cl) = (x.seconds for x in step_colls[:3]), (x.calls for x in step_colls[1:3])
+        tail = data_parallel_tail(t_bwd, part["prefix"], part["block"], lag, plan.first_blocks, plan.per_bucket,
+                                  plan.middle, plan.single, s1, sm, sl, cl)
+        t_dp_hidden = s1 + cm * sm + cl * sl - tail
+        # what runs beside the backward still costs (1 - eta) of itself (shared cores), or slows the GEMMs;
+        # one bucket of everything is launched at the backward's end: the blocking call, exactly
+        t_grad = np.where(plan.single, s1, tail + overlapped(t_bwd, t_dp_hidden, eta, slow) - t_bwd)
+        t_dp_hidden = np.where(plan.single, 0.0, t_dp_hidden)
+    t_dp = t_grad + t_others
 
     batch = grad_acc * (t_fwd + t_bwd) + t_dp + t_opt + profile.corrections.step_overhead_s
     compute_total = grad_acc * comp_mb + t_opt

@@ -17,6 +17,8 @@ from ..space import Candidates, strides
 from ..specs import LinearShape, ModelSpec
 
 FP32 = 4
+# a gradient bucket closes once it holds this much fp32 (PyTorch DDP's bucket_cap_mb): small layers share a call
+DP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -164,7 +166,7 @@ class Collective:
     axis: str  # x, y, z, d
     nbytes: np.ndarray
     seconds: np.ndarray
-    calls: int = 1  # calls per micro-batch (or per step) of this size: the gradient buckets share one row
+    calls: np.ndarray | int = 1  # calls per micro-batch (or per step) of this size: gradient buckets share a row
 
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
@@ -249,17 +251,43 @@ def loss_collectives(profile, g: Groups, tokens) -> tuple[Collective, Collective
             _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 2 * FP32))
 
 
-def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int) -> list[tuple[str, np.ndarray, int]]:
-    """The trainer's buckets of the overlapped D all-reduce (ParallelGPT.grad_buckets), in the order the
-    last backward finishes them: (which, fp32 elements per call, calls): the LM head, each block's four
-    shards (n_layers calls), the embedding."""
-    return [("lm_head", lm_shard, 1), ("block", block_shards, n_layers), ("embedding", emb_shard, 1)]
+@dataclass
+class BucketPlan:
+    """Per candidate, the overlapped D all-reduce's buckets: the first (the LM head and `first_blocks`
+    blocks), `middle` buckets of `per_bucket` blocks each, the last (the remaining blocks and the
+    embedding; none where the first took everything: `single`)."""
+
+    first_blocks: np.ndarray
+    per_bucket: np.ndarray
+    middle: np.ndarray
+    single: np.ndarray
+    rows: list  # (which, fp32 elements per call, calls per step) of the first, middle and last buckets
+
+
+def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int, cap_bytes: int | None = None) -> BucketPlan:
+    """The trainer's buckets (ParallelGPT.grad_buckets): units in the order the last backward makes them
+    final (the LM head, blocks last to first with their four shards, the embedding), filled greedily; a
+    bucket closes at the unit that brings it to cap_bytes (DP_BUCKET_BYTES) of fp32 or more, the last one
+    at the embedding. Integer arithmetic, as the trainer counts shard lengths."""
+    cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
+    a, b, c = (np.asarray(x).astype(np.int64) for x in np.broadcast_arrays(lm_shard, block_shards, emb_shard))
+    bb = np.maximum(b, 1)  # a zero-sized block (an infeasible split) must not divide by zero
+    k0 = np.where(a >= cap, 0, -(-(cap - a) // bb))  # blocks that close the LM head's bucket
+    single = k0 > n_layers  # never reaches the cap before the embedding: one bucket of everything
+    k0 = np.minimum(k0, n_layers)
+    k = -(-cap // bb)
+    middle = np.where(single, 0, (n_layers - k0) // k)
+    rest = np.where(single, 0, n_layers - k0 - middle * k)
+    first = np.where(single, a + n_layers * b + c, a + k0 * b)
+    rows = [("first", first.astype(np.float64), np.ones_like(middle)), ("middle", (k * b).astype(np.float64), middle),
+            ("last", (rest * b + c).astype(np.float64), np.where(single, 0, 1))]
+    return BucketPlan(k0, k, middle, single, rows)
 
 
 def data_parallel_collectives(profile, g, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
     """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
-    buffer; or with `buckets` (gradient_buckets) one call per bucket, launched inside the last
-    backward: the first len(buckets) rows, phase 'bwd'); replicated parameters (norm weights, positions) over Z and D together; the kept-token
+    buffer; or with `buckets` (gradient_buckets(...).rows) one call per bucket, launched inside the last
+    backward: the first len(buckets) rows, phase 'bwd', calls per candidate); replicated parameters (norm weights, positions) over Z and D together; the kept-token
     count and the loss over Z and D; the squared gradient norm over every GPU; the barrier that
     closes each timed step. `g` may be three placements (after the backward, after the optimizer,
     back to back) that differ only in the compute burst before each call (measured tables)."""

@@ -159,17 +159,27 @@ class ParallelGPT:
             out[name] = full.cpu()
         return out
 
-    def grad_buckets(self) -> list[tuple[list[ShardedWeight], torch.Tensor]]:
-        """The buckets of the overlapped data-parallel all-reduce, in buffer order: the embedding, each
-        block's four weights, the LM head (n_layers + 2; the cost model counts the same). Each is its
-        weights and the contiguous slice of grad_buffer their shards occupy (adjacent by construction)."""
+    def grad_buckets(self, cap_bytes: int | None = None) -> list[tuple[list[ShardedWeight], torch.Tensor]]:
+        """The buckets of the overlapped data-parallel all-reduce, as the cost model counts them
+        (costmodel.comm.gradient_buckets): units in the order the backward makes them final (the LM
+        head, each block's four weights from the last block, the embedding), filled greedily until a
+        bucket holds cap_bytes (DP_BUCKET_BYTES) of fp32 gradient. Each bucket is its weights and the
+        contiguous slice of grad_buffer their shards occupy (the buffer holds them in forward order)."""
+        from ..costmodel.comm import DP_BUCKET_BYTES, FP32
+
+        cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
         w, n = self.weights, self.spec.n_layers
-        groups = [[w["tok_emb"]]] + [[w[f"blocks.{i}.{l}"] for l in BLOCK_LINEARS] for i in range(n)] + [[w["lm_head"]]]
-        out = []
-        for ws in groups:
-            lo, hi = ws[0].grad_offset, ws[-1].grad_offset + ws[-1].shard_len
-            assert hi - lo == sum(x.shard_len for x in ws), "a bucket's shards must be adjacent in grad_buffer"
-            out.append((ws, self.grad_buffer[lo:hi]))
+        units = [[w["lm_head"]]] + [[w[f"blocks.{i}.{l}"] for l in BLOCK_LINEARS] for i in reversed(range(n))]
+        units.append([w["tok_emb"]])
+        out, cur = [], []
+        for k, unit in enumerate(units):
+            cur += unit
+            if sum(x.shard_len for x in cur) >= cap or k == len(units) - 1:
+                lo = min(x.grad_offset for x in cur)
+                hi = max(x.grad_offset + x.shard_len for x in cur)
+                assert hi - lo == sum(x.shard_len for x in cur), "a bucket's shards must be adjacent in grad_buffer"
+                out.append((cur, self.grad_buffer[lo:hi]))
+                cur = []
         return out
 
     def sharded_params(self) -> list[torch.nn.Parameter]:

@@ -9,8 +9,9 @@ W[k/gx slice of x, n/gy slice of y], flattened and split into gz equal flat shar
             oldest, whose full-size gradient block is then released, as FSDP bounds them)
 The transposed layer swaps X and Y. The gradient shards accumulate over micro-batches; their
 data-parallel all-reduce happens once per step: with overlap.data_parallel, on the last micro-batch
-each bucket (a contiguous slice of the gradient buffer, see ParallelGPT.grad_buckets) is all-reduced
-over D asynchronously as soon as all its shards are final, beside the rest of the backward
+each bucket (a contiguous slice of the gradient buffer of at least DP_BUCKET_BYTES, see
+ParallelGPT.grad_buckets) is all-reduced over D asynchronously as soon as all its shards are final,
+beside the rest of the backward
 (Runtime.arm_data_parallel / finish_data_parallel); otherwise in one blocking call after it.
 OAG: the weight all-gathers of one micro-batch follow a sequence known in advance (forward,
 recompute, backward), so each `gather` launches the next one asynchronously.
