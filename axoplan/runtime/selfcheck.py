@@ -63,13 +63,15 @@ class Case:
     blas: bool = False
     inflight: int = 2  # reduce-scatters in flight at most (ORS)
     dp: bool = True  # overlap.data_parallel: D all-reduce per bucket inside the last backward
+    dp_cap: int | None = 4  # bucket cap in bytes: 4, every unit its own bucket; None, the trainer's default
 
     def label(self) -> str:
         gx, gy, gz, gd = self.grid
         flags = "".join(n for n, on in (("R", self.oar), ("S", self.ors), ("G", self.oag), ("D", self.dp)) if on) or "-"
         extra = "".join([" ckpt" if self.ckpt else "", " goldfish" if self.goldfish else "",
                          " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else "",
-                         f" inflight={self.inflight}" if self.inflight != 2 else ""])
+                         f" inflight={self.inflight}" if self.inflight != 2 else "",
+                         f" cap={self.dp_cap}" if self.dp and self.dp_cap != 4 else ""])
         return f"x{gx} y{gy} z{gz} d{gd} {self.order} overlap={flags}{extra}"
 
 
@@ -95,10 +97,11 @@ def default_cases(world: int) -> list[Case]:
             cases[2 * i + 1].order = "zyx"
         full = (2, 2, 2, 1)  # X, Y and Z all split: each flag alone
         cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False),
-                  Case((2, 1, 2, 2), dp=False), Case((1, 2, 1, 4), ors=False, ckpt=True)]
+                  Case((2, 1, 2, 2), dp=False), Case((1, 2, 1, 4), ors=False, ckpt=True),
+                  Case((1, 2, 2, 2), dp_cap=20000), Case((2, 1, 1, 4), dp_cap=None, ckpt=True)]
     if world == 4:
         cases += [Case((2, 2, 1, 1), order="yxz"), Case((1, 2, 2, 1), order="zyx", ckpt=True),
-                  Case((1, 1, 2, 2), dp=False), Case((1, 1, 2, 2), ors=False, oag=False),
+                  Case((1, 1, 2, 2), dp=False), Case((1, 1, 2, 2), ors=False, oag=False, dp_cap=40000),
                   Case((1, 1, 4, 1), inflight=1), Case((2, 1, 2, 1), inflight=3, ckpt=True)]
     # the Llama-style variant (kv heads 2: gy <= 2), goldfish loss and BLAS tuning on a few grids
     small_y = [g for g in grids if g[1] <= 2]
@@ -142,6 +145,7 @@ def run_case(case: Case, ref: dict, model_path: str) -> dict:
     grid = build_grid(*case.grid, order=case.order)
     res = Resolved(torch.device("cpu"), "gloo", torch.float32, torch.float32, case.blas)
     trainer = Trainer(cfg, grid, res, init_params=ref["init"], adam_eps=ADAM_EPS)
+    trainer.dp_bucket_bytes = case.dp_cap
     err = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0, "moved": 0.0, "misses": 0.0}
     for step in range(STEPS):
         out = trainer.train_step(step)
@@ -162,6 +166,8 @@ def run_case(case: Case, ref: dict, model_path: str) -> dict:
     err["misses"] = float(trainer.rt.sequence_misses)
     err["inflight"] = trainer.rt.max_inflight_seen  # the most reduce-scatters in flight at once
     err["dp_overlapped"] = trainer.rt.dp_overlapped  # bucket D all-reduces launched inside a backward
+    # every bucket of every step, when the flag is on and D split: none left for the wait to launch
+    err["dp_expected"] = STEPS * len(model.grad_buckets(case.dp_cap)) if case.dp and case.grid[3] > 1 else 0
     full = model.gather_full_params()  # the API the memorization study uses
     err["gathered"] = max(float((full[n] - ref["final"][n]).abs().max()) for n in full)
     trainer.close()
@@ -189,8 +195,7 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], refs: dict, out
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         worst = dict(zip(sorted(err), vec.tolist()))
         results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst,
-                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case),
-                        "dp_expected": _dp_expected(case)})
+                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case)})
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     dist.barrier()  # every rank done with every group before any of them tears the world down
@@ -201,12 +206,6 @@ def _inflight_expected(case: Case) -> int:
     """The most reduce-scatters that can be in flight: the bound with ORS on a split Z (a backward has far
     more layers than any bound tested), none otherwise (no reduce-scatter, or each waited at once)."""
     return case.inflight if case.ors and case.grid[2] > 1 else 0
-
-
-def _dp_expected(case: Case) -> int:
-    """Bucket D all-reduces launched inside the backwards of all steps: n_layers + 2 per step with the flag
-    on and D split, none otherwise (one blocking call after the backward instead)."""
-    return STEPS * (MODELS[case.model].n_layers + 2) if case.dp and case.grid[3] > 1 else 0
 
 
 def _free_port() -> int:

@@ -135,6 +135,7 @@ class Trainer:
         self.grad_acc = len(self.indices) // cfg.micro_batch
         self.peak = peak_tflops(cfg)
         self.records: list[dict] = []
+        self.dp_bucket_bytes: int | None = None  # None: comm.DP_BUCKET_BYTES (the proofs set small caps)
 
     @classmethod
     def from_config(cls, cfg: LaunchConfig, **kw) -> Trainer:
@@ -169,7 +170,7 @@ class Trainer:
         for m in range(self.grad_acc):
             rt.start_sequence(model.gather_sequence(backward=True))
             if m == self.grad_acc - 1:  # the gradients become final in this backward: reduce them over D inside it
-                dp_armed = rt.arm_data_parallel(model.grad_buckets())
+                dp_armed = rt.arm_data_parallel(model.grad_buckets(self.dp_bucket_bytes))
             with rt.memory_kind("activations"):
                 part = model.loss_sum(tokens[m * mb:(m + 1) * mb], keep[m * mb:(m + 1) * mb])
             with rt.memory_kind("transients"):
