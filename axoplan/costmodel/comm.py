@@ -279,8 +279,9 @@ def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int, cap_bytes
     middle = np.where(single, 0, (n_layers - k0) // k)
     rest = np.where(single, 0, n_layers - k0 - middle * k)
     first = np.where(single, a + n_layers * b + c, a + k0 * b)
-    rows = [("first", first.astype(np.float64), np.ones_like(middle)), ("middle", (k * b).astype(np.float64), middle),
-            ("last", (rest * b + c).astype(np.float64), np.where(single, 0, 1))]
+    rows = [("first", first.astype(np.float64), np.ones_like(middle)),
+            ("middle", np.where(middle > 0, k * b, 0).astype(np.float64), middle),  # no call, no size
+            ("last", np.where(single, 0, rest * b + c).astype(np.float64), np.where(single, 0, 1))]
     return BucketPlan(k0, k, middle, single, rows)
 
 
