@@ -192,7 +192,6 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
     grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
     T = (mb * S).astype(np.float64)
-    ko = profile.launch_cost
 
     # ---- per layer: GEMMs and collectives --------------------------------------------
     lins = model.block_linears()
@@ -200,19 +199,20 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     lm = model.lm_head()
     gem_lm = K.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = K.attention_seconds(profile, model, gy, mb, S)
-    ew_f = K.elementwise_seconds(profile, K.elementwise_bytes_fwd(model, gx, gy, T, e))
-    ew_loss = K.elementwise_seconds(profile, K.loss_elementwise_bytes(model, gy, T))
-    ew_emb = K.elementwise_seconds(profile, 2 * T * (model.hidden / gx) * e)
-    kf, kb = K.KERNELS_FWD_PER_BLOCK * ko, K.KERNELS_BWD_PER_BLOCK * ko
-    k_out_f, k_out_b = K.KERNELS_FWD_OUTSIDE * ko, K.KERNELS_BWD_OUTSIDE * ko
+    # element-wise kernels as the trainer issues them (compute.elementwise_work, traced equal by runtime/optrace.py)
+    ew = K.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap)
+    ew_f, ew_b = ew.block_fwd.seconds(profile), ew.block_bwd.seconds(profile)
+    casts = [c.seconds(profile) for c in ew.gather_casts]  # each layer's gathered weight cast, where it is used
+    ew_emb_f, ew_emb_b = ew.emb_fwd.seconds(profile), ew.emb_bwd.seconds(profile)
+    ew_head_f, ew_head_b = ew.head_fwd.seconds(profile), ew.head_bwd.seconds(profile)
     eta = profile.overlap
     slow = profile.physics.overlap_slowdown
     g = C.place(profile, c)
     if profile.coll_table is not None:
         # measured collectives depend on the compute before each call (ranks sharing cores): the
         # micro-batch's compute over its calls
-        comp0 = ((sum(gm.fwd + gm.dgrad + gm.wgrad for gm in gem) + attn_f + attn_b + 3 * ew_f + kf + kb) * model.n_layers
-                 + 2 * ew_emb + gem_lm.fwd + gem_lm.dgrad + gem_lm.wgrad + ew_loss + k_out_f + k_out_b)
+        comp0 = ((sum(gm.fwd + gm.dgrad + gm.wgrad for gm in gem) + attn_f + attn_b + ew_f + ew_b + 2 * sum(casts))
+                 * model.n_layers + ew_emb_f + ew_emb_b + gem_lm.fwd + gem_lm.dgrad + gem_lm.wgrad + ew_head_f + ew_head_b)
         calls = C.calls_per_micro_batch(model, g)
         g = dataclasses.replace(g, burst=comp0 / np.maximum(calls, 1.0))
     col = [C.linear_collectives(profile, g, l, T, e) for l in lins]
@@ -226,31 +226,31 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         extrapolated |= gm.extrapolated
 
     # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual
-    half_f = (ew_f + kf) / 2
+    half_f = ew_f / 2
     extra_f = [attn_f + half_f, 0.0, half_f, 0.0]
     norm_block_f = [norm_f.seconds, 0.0, norm_f.seconds, 0.0]
-    fwd_block = [Window(l.name, gem[i].fwd + extra_f[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
+    fwd_block = [Window(l.name, gem[i].fwd + extra_f[i] + casts[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
                         col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
-    emb_f = Window("embedding", ew_emb + k_out_f / 4, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
-    lm_f = Window("lm_head", gem_lm.fwd + ew_loss / 2 + 3 * k_out_f / 4, col_lm["ar_fwd"].seconds + norm_f.seconds
+    emb_f = Window("embedding", ew_emb_f, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
+    lm_f = Window("lm_head", gem_lm.fwd + ew_head_f, col_lm["ar_fwd"].seconds + norm_f.seconds
                   + t_loss, col_lm["ag"].seconds, _zero(n))
 
     # backward windows
-    half_b = (2 * ew_f + kb) / 2
+    half_b = ew_b / 2
     extra_b = [attn_b + half_b, 0.0, half_b, 0.0]
 
     def bwd_window(i, with_ag):
         gm, cl = gem[i], col[i]
         ar = cl["ar_bwd"].seconds
         exposed_ar = overlapped(gm.wgrad, ar, eta, slow) - gm.wgrad if overlap else ar
-        return Window(lins[i].name, gm.dgrad + gm.wgrad + extra_b[i], exposed_ar + norm_block_f[i],
+        return Window(lins[i].name, gm.dgrad + gm.wgrad + extra_b[i] + (casts[i] if with_ag else 0.0), exposed_ar + norm_block_f[i],
                       cl["ag"].seconds if with_ag else _zero(n), cl["rs"].seconds)
 
     ar_lm = col_lm["ar_bwd"].seconds
-    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_loss / 2 + 3 * k_out_b / 4,
+    lm_b = Window("lm_head", gem_lm.dgrad + gem_lm.wgrad + ew_head_b,
                   (overlapped(gem_lm.wgrad, ar_lm, eta, slow) - gem_lm.wgrad if overlap else ar_lm) + norm_b.seconds,
                   col_lm["ag"].seconds, col_lm["rs"].seconds)
-    emb_b = Window("embedding", ew_emb + k_out_b / 4, _zero(n), _zero(n), col_emb["rs"].seconds)
+    emb_b = Window("embedding", ew_emb_b, _zero(n), _zero(n), col_emb["rs"].seconds)
 
     rec_f = [] if explain else None
     rec_b = [] if explain else None
@@ -267,7 +267,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 
     # ---- compute and communication totals per micro-batch ------------------------------------
     comp_block_f = sum(w.compute for w in fwd_block)
-    comp_block_b = sum(gm.dgrad + gm.wgrad for gm in gem) + attn_b + 2 * ew_f + kb
+    comp_block_b = sum(gm.dgrad + gm.wgrad for gm in gem) + attn_b + ew_b + np.where(ck, 0.0, sum(casts))
     comp_mb = (comp_block_f * (1 + ck) + comp_block_b) * L + emb_f.compute + lm_f.compute + lm_b.compute + emb_b.compute
     # two all-gathers per layer either way: forward and backward, or forward and recompute (kept for backward)
     comm_block = sum(cl["ar_fwd"].seconds * (1 + ck) + cl["ar_bwd"].seconds + 2 * cl["ag"].seconds + cl["rs"].seconds
@@ -283,8 +283,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
     shard = sum(C.shard_elems(b, gz) for b in block_elems) * L + C.shard_elems(lm_elems, gz) + C.shard_elems(emb_elems, gz)
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
-    n_tensors = 6 * L + 3 + (model.position == "learned")  # 4 weights and 2 norms per block; embedding, head, norm
-    t_opt = K.optimizer_seconds(profile, shard + replicated, n_tensors)
+    t_opt = K.optimizer_seconds(profile, K.step_work(model, gx, gy, gz, gd, mb, S, grad_acc, shard,
+                                                     K.fused_optimizer(profile)))
     g_step = g
     if profile.coll_table is not None:
         # the once-per-step calls: the first after the backward's tail (a whole micro-batch when no

@@ -8,6 +8,7 @@ records the live bytes by kind and the moment of the peak; the Runtime records e
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,25 +39,33 @@ def _fake_world(world_size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
-def trace_step(cfg: LaunchConfig, dtype: str = "bf16") -> Trace:
+def trace_step(cfg: LaunchConfig, dtype: str = "bf16", modes: tuple = (), fused_optimizer: bool = True) -> Trace:
     """cfg: the run (grid, order, micro-batch, checkpointing, overlap); dtype: the compute and
-    collective dtype of the run being traced (bf16 as on GPUs)."""
+    collective dtype of the run being traced (bf16 as on GPUs); modes: more dispatch modes to run the
+    step under (each may have attach(trainer), and reset() called where the steady step starts);
+    fused_optimizer: AdamW as one fused kernel (GPU runs) or per tensor (the CPU trainer)."""
     g = cfg.grid
     _fake_world(g.size)
     try:
         grid = build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order)
         res = Resolved(torch.device("cpu"), "fake", DTYPES[dtype], DTYPES[dtype], blas_tuning=False,
-                       fused_optimizer=True)
+                       fused_optimizer=fused_optimizer)
         tracer = MemoryTracer("states")
-        with FakeTensorMode(allow_non_fake_inputs=True), tracer:
+        with contextlib.ExitStack() as stack:
+            for m in (FakeTensorMode(allow_non_fake_inputs=True), tracer, *modes):
+                stack.enter_context(m)
             trainer = Trainer(cfg, grid, res)
             trainer.rt.tracer = tracer
             trainer.rt.calls = []
+            for m in modes:
+                getattr(m, "attach", lambda _: None)(trainer)
             with tracer.kind("transients"):
                 trainer.train_step(0)  # creates AdamW's moments: the steady state starts after it
                 trainer.rt.calls.clear()
                 trainer.rt.max_inflight_seen = 0
                 tracer.reset_peak()
+                for m in modes:
+                    getattr(m, "reset", lambda: None)()
                 trainer.train_step(1)
                 trainer._sync()
         counts: dict = collections.defaultdict(lambda: [0, 0])
