@@ -76,14 +76,22 @@ class Work:
     def __init__(self, nbytes=0.0, kernels=0.0):
         self.bytes, self.kernels = nbytes, kernels
 
+    def _zero(self) -> bool:
+        return np.ndim(self.bytes) == 0 and np.ndim(self.kernels) == 0 and self.bytes == 0 and self.kernels == 0
+
     def __add__(self, other):
-        if isinstance(other, int) and other == 0:  # sum() starts from 0
+        # zeros (sum()'s 0, terms switched off) are skipped: the planner adds these over 10^5 candidates
+        if isinstance(other, int) and other == 0 or other._zero():
             return self
+        if self._zero():
+            return other
         return Work(self.bytes + other.bytes, self.kernels + other.kernels)
 
     __radd__ = __add__
 
     def __mul__(self, k):
+        if np.ndim(k) == 0 and k in (0, 1):  # a switch (dtype, position kind): no array arithmetic
+            return self if k == 1 else Work()
         return Work(self.bytes * k, self.kernels * k)
 
     __rmul__ = __mul__
@@ -144,6 +152,15 @@ class ElementwiseWork:
     emb_bwd: Work
     shift: Work  # under checkpointing with prefetch: the cast of the last block's first weight, launched in the backward
 
+    def take(self, index) -> ElementwiseWork:
+        """The same work for candidates index (rows of the arrays it was evaluated on)."""
+        def pick(w: Work) -> Work:
+            return Work(*(x[index] if np.ndim(x) else x for x in (w.bytes, w.kernels)))
+
+        return ElementwiseWork(pick(self.block_fwd), pick(self.block_bwd), [pick(c) for c in self.gather_casts],
+                               pick(self.emb_fwd), pick(self.head_fwd), pick(self.head_bwd), pick(self.emb_bwd),
+                               pick(self.shift))
+
     def phases(self, n_layers: int, checkpointing, grad_acc=1) -> dict:
         """Per step: forward, recompute and backward (the step phase is step_work's)."""
         casts = sum(self.gather_casts)
@@ -158,6 +175,24 @@ def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dt
                      prefetch: bool = True) -> ElementwiseWork:
     """Bytes and launches of the trainer's element-wise kernels for a compute dtype of dtype_bytes
     (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is."""
+    cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
+    if cols[0].ndim == 1 and cols[0].size > 256:
+        # orders and checkpointing repeat each (grid, micro-batch) many times: evaluate each once
+        key = np.zeros(cols[0].size, dtype=np.int64)
+        for c in cols:
+            lo, hi = int(c.min()), int(c.max())
+            if (hi - lo + 1) * (int(key.max()) + 1) >= 2**62:  # too wide for one integer key: rank it first
+                key = np.unique(key, return_inverse=True)[1].reshape(-1)
+            key = key * (hi - lo + 1) + (c - lo)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        if len(first) < cols[0].size // 2:
+            w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch)
+            return w.take(inverse)
+    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch)
+
+
+def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc,
+                      prefetch: bool) -> ElementwiseWork:
     e, S = dtype_bytes, seq_len
     half = e != 4
     T = np.asarray(micro_batch) * S * 1.0
