@@ -99,3 +99,31 @@ def test_bytes_are_the_storage_touched():
     step = c.counts["step"]  # no Runtime attached: all of it counts as step work
     assert step.kernels == 7  # the zeros index tensor is a kernel too
     assert step.bytes == 4 * (68 + 96 + 64 + 32 + 64) + 8 * 8 + 8 * 8 + 4 * 16
+
+
+def test_the_real_cpu_trainer_issues_the_same(models):
+    """Real tensors, one gloo rank: the same kernels and bytes as the fake trace and the model, plus the
+    two host reads of the step's metrics that a fake tensor skips."""
+    import torch.distributed as dist
+
+    from axoplan.runtime.memtrace import MemoryTracer
+    from axoplan.runtime.train import Trainer
+
+    cfg = LaunchConfig(model=models["llama-tiny"], global_batch=4, micro_batch=2, checkpointing=True, metrics=None)
+    trainer = Trainer.from_config(cfg)
+    try:
+        trainer.rt.tracer = MemoryTracer("states")  # the Runtime's moments mark the phases, as under dryrun
+        counter = OpCounter()
+        with trainer.rt.tracer, counter:
+            counter.attach(trainer)
+            trainer.train_step(0)
+            counter.reset()
+            trainer.train_step(1)
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    modelled = modelled_step(cfg, "fp32", fused_optimizer=False, fake=False)
+    for phase in PHASES:
+        t, m = counter.counts[phase], modelled[phase]
+        assert (t.kernels, t.bytes) == (m.kernels, m.bytes), (phase, dict(t.ops))

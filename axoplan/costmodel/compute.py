@@ -287,7 +287,8 @@ def step_work(model: ModelSpec, gx, gy, gz, gdata, micro_batch, seq_len: int, gr
         w = w + Work(28 * (shard + R) + 12 * (n_dec + n_rep), 4)
     else:  # per tensor: step, lerp_, mul_, addcmul_, .item(), sqrt, div, add_, addcdiv_ (+ mul_ with decay)
         w = w + Work(72 * (shard + R) + 12 * (n_dec + n_rep) + 8 * shard, 9 * (n_dec + n_rep) + n_dec)
-    return w + Work(24, 1)
+    # the loss over the kept tokens, then the loss and the gradient norm read on the host for the metrics
+    return w + Work(24, 1) + Work(16, 2)
 
 
 def optimizer_seconds(profile: MachineProfile, work: Work) -> np.ndarray:
