@@ -112,6 +112,16 @@ class AttentionTable:
         return tuple(float(np.exp(np.interp(x, np.log(ns), logs[:, i]))) for i in (0, 1))
 
 
+def _elementwise_kernels(comp, rd) -> str:
+    kind = comp.get("elementwise_kernels", "eager") if isinstance(comp, dict) else "eager"
+    if kind not in ELEMENTWISE_KERNELS:
+        rd.fail("compute.elementwise_kernels", f"must be one of {', '.join(ELEMENTWISE_KERNELS)}, got {kind!r}")
+    return kind
+
+
+ELEMENTWISE_KERNELS = ("eager", "fused")
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     name: str
@@ -142,6 +152,9 @@ class MachineProfile:
     attn_table: AttentionTable | None = None
     overlap_efficiency: float = 1.0  # share of the shorter of compute and a background collective hidden
     physics: gpu_physics.GpuPhysics = field(default_factory=gpu_physics.GpuPhysics)  # GPU-only, chosen by fields
+    # eager: the bundled trainer's own element-wise kernels (traced); fused: a framework that fuses each
+    # norm, activation, rotary and the loss into one kernel (Megatron, llm-foundry)
+    elementwise_kernels: str = "eager"
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -743,6 +756,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         mem_headroom=headroom * GIB,
         mem_bandwidth=rd.num(mem, "bandwidth_gbs", "memory") * GB,
         elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
+        elementwise_kernels=_elementwise_kernels(comp, rd),
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,

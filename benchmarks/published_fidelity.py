@@ -239,6 +239,8 @@ def machine_profiles() -> dict:
             kw["mem_headroom"] = d["headroom_gib"]["value"] * GIB
         if "bandwidth_gbs" in d:
             kw["mem_bandwidth"] = d["bandwidth_gbs"]["value"] * GB
+        if "elementwise_kernels" in d:  # the framework's own kernels: fused norms, activation and loss
+            kw["elementwise_kernels"] = d["elementwise_kernels"]["value"]
         if "attention_kernel_scale" in d:
             f = d["attention_kernel_scale"]["value"]
             rates = tuple((hd, s, tuple(x * f for x in fw), tuple(x * f for x in bw))

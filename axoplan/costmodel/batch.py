@@ -200,7 +200,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     gem_lm = K.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = K.attention_seconds(profile, model, gy, mb, S)
     # element-wise kernels as the trainer issues them (compute.elementwise_work, traced equal by runtime/optrace.py)
-    ew = K.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap)
+    ew = K.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
+                            fused=profile.elementwise_kernels == "fused")
     ew_f, ew_b = ew.block_fwd.seconds(profile), ew.block_bwd.seconds(profile)
     casts = [c.seconds(profile) for c in ew.gather_casts]  # each layer's gathered weight cast, where it is used
     ew_emb_f, ew_emb_b = ew.emb_fwd.seconds(profile), ew.emb_bwd.seconds(profile)

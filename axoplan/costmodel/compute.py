@@ -172,7 +172,7 @@ class ElementwiseWork:
 
 
 def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc=1,
-                     prefetch: bool = True) -> ElementwiseWork:
+                     prefetch: bool = True, fused: bool = False) -> ElementwiseWork:
     """Bytes and launches of the trainer's element-wise kernels for a compute dtype of dtype_bytes
     (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is."""
     cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
@@ -186,13 +186,14 @@ def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dt
             key = key * (hi - lo + 1) + (c - lo)
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         if len(first) < cols[0].size // 2:
-            w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch)
+            w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
+                                  fused)
             return w.take(inverse)
-    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch)
+    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, fused)
 
 
 def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc,
-                      prefetch: bool) -> ElementwiseWork:
+                      prefetch: bool, fused: bool = False) -> ElementwiseWork:
     e, S = dtype_bytes, seq_len
     half = e != 4
     T = np.asarray(micro_batch) * S * 1.0
@@ -257,6 +258,33 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
                + (Work(e * T * hx + e * S * hx + 4 * S * hx + 4 * rows * hx, 2)
                   + Work((e + 4) * S * hx, 1) * half + Work(12 * rows * hx, 1) * later) * learned)
     shift = casts[0] * early
+    if fused:
+        return _fused(model, T, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
+                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift)
+    return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
+
+
+def _fused(model: ModelSpec, T, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm_cast, early, learned, later,
+           acc_lm, acc_emb, s_emb, shift) -> ElementwiseWork:
+    """A framework that fuses each norm, activation, rotary embedding and the loss into one kernel (its
+    forward reads the inputs and writes the output once; its backward reads the inputs and the output's
+    gradient and writes the input's): the same gathers, casts and gradient accumulation as the trainer."""
+    norm_f, norm_b = Work(2 * e * T * hx, 1), Work(3 * e * T * hx, 1)
+    rope = model.position == "rope"
+    qk = (hq + hkv) * hd
+    rope_f, rope_b = Work(2 * e * T * qk, 2) * rope, Work(2 * e * T * qk, 2) * rope
+    swiglu = model.mlp == "swiglu"
+    act_f = Work((3 if swiglu else 2) * e * T * f, 1)
+    act_b = Work((5 if swiglu else 3) * e * T * f, 1)
+    residual = Work(3 * e * T * hx, 1)
+    block_fwd = norm_f * 2 + rope_f + act_f + residual * 2
+    block_bwd = norm_b * 2 + rope_b + act_b + residual * 2 + acc + Work(12 * hx, 1) * (2 * later)
+    # the embedding: the row lookup (and the learned positions' add); its gradient scattered in fp32
+    emb_fwd = Work((4 + e) * s_emb, 1) * (e != 4) + Work(2 * e * T * hx, 1) + residual * learned
+    emb_bwd = Work((e + 4) * T * hx, 1) + acc_emb + Work(4 * S * hx + e * T * hx, 1) * learned
+    # a fused cross-entropy reads the logits once forward and once backward, writing their gradient
+    head_fwd = norm_f + lm_cast * (1 + early) + Work(e * T * V, 1)
+    head_bwd = Work(2 * e * T * V, 1) + lm_cast * (1 - early) + acc_lm + norm_b + Work(12 * hx, 1) * later
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 
 

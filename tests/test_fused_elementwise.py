@@ -1,0 +1,52 @@
+"""A framework that fuses its element-wise work (profile field compute.elementwise_kernels: fused):
+each norm, activation, rotary embedding and the loss is one kernel reading its inputs and writing its
+output once. Hand-computed bytes for one block and the head; the bundled trainer's own (eager) kernels
+are proven against the trainer in test_optrace.py."""
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from axoplan.costmodel.compute import elementwise_work
+from axoplan.machine import load_profile
+
+
+def test_fused_block_and_head_by_hand():
+    m = tiny_model()  # hidden 64, 8 heads, ffn 256, gelu, layernorm, learned positions, vocab 256
+    gx, gy, gz, mb, S, e = 2, 2, 1, 2, 64, 2
+    w = elementwise_work(m, gx, gy, gz, mb, S, e, grad_acc=1, fused=True)
+    T, hx, f, V = mb * S, 64 / gx, 256 / gy, 256 / gy
+    # two norms (read x, write y), the GELU (read fc1's output, write its own), two residual adds (2 in, 1 out)
+    assert float(w.block_fwd.bytes) == pytest.approx(2 * 2 * e * T * hx + 2 * e * T * f + 2 * 3 * e * T * hx)
+    assert float(w.block_fwd.kernels) == 2 + 1 + 2
+    # the final norm and a fused cross-entropy reading the [T, V/gy] logits once (gz = 1: the LM head's block is
+    # cast to bf16 where it is used, 6 bytes per element of its shard)
+    lm_shard = 64 // gx * (256 // gy)
+    assert float(w.head_fwd.bytes) == pytest.approx(2 * e * T * hx + (4 + e) * lm_shard + e * T * V)
+
+
+def test_fused_is_never_more_traffic_than_the_eager_trainer():
+    m = tiny_model(n_layers=3, mlp="swiglu", norm="rmsnorm", position="rope", n_kv_heads=4)
+    grid = np.array([1, 2, 4, 8])
+    for gx in grid:
+        for gy in (1, 2):
+            eager = elementwise_work(m, gx, gy, 2, 2, 64, 2, grad_acc=2)
+            fused = elementwise_work(m, gx, gy, 2, 2, 64, 2, grad_acc=2, fused=True)
+            for part in ("block_fwd", "block_bwd", "head_fwd", "head_bwd"):
+                assert float(getattr(fused, part).bytes) < float(getattr(eager, part).bytes), part
+                assert float(getattr(fused, part).kernels) <= float(getattr(eager, part).kernels), part
+
+
+def test_the_profile_field_selects_it_and_defaults_to_the_trainer(write_profile):
+    import yaml
+    from conftest import profile_dict
+
+    assert load_profile("dgx-h100").elementwise_kernels == "eager"
+    raw = profile_dict(name="fused-test")
+    raw["compute"]["elementwise_kernels"] = "fused"
+    p = load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="fused-test")))
+    assert p.elementwise_kernels == "fused"
+    raw["compute"]["elementwise_kernels"] = "magic"
+    from axoplan.errors import UserError
+
+    with pytest.raises(UserError, match="elementwise_kernels"):
+        load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="bad-test")))
