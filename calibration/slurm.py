@@ -11,8 +11,9 @@ def sbatch_script(nodes: int, nproc_per_node: int, out: str, results: str, quick
     gpus = device != "cpu"
     # #SBATCH lines are read by sbatch, not a shell: only a slug of the name goes there
     name = _slug(out.rsplit("/", 1)[-1].rsplit(".", 1)[0])
-    worker = (["--results", results] + (["--quick"] if quick else []) + (["--models", models] if models else [])
-              + (["--device", device] if device != "auto" else []))
+    opts = (["--quick"] if quick else []) + (["--models", models] if models else []) + \
+        (["--device", device] if device != "auto" else [])
+    worker = opts  # --results is the staging folder, a shell variable
     fit = ["axoplan", "calibrate", "--from-results", results, "--out", out]
     cmd = join(["axoplan", "calibrate", "--emit-slurm", str(nodes), "--nproc", str(nproc_per_node), "--out", out]
                + (["--quick"] if quick else []) + (["--models", models] if models else [])
@@ -34,14 +35,23 @@ set -euo pipefail
 
 RESULTS={quote(results, "--results")}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-mkdir -p "$RESULTS"
+# measured beside an earlier complete run, which is replaced only once this one has finished
+STAGE="$RESULTS/.measuring-slurm-$SLURM_JOB_ID"
+mkdir -p "$STAGE"
 
 # one torchrun agent per node; they meet at the first node and start {nproc_per_node} workers each
 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 \\
   python -m torch.distributed.run \\
     --nnodes="$SLURM_NNODES" --nproc-per-node={nproc_per_node} \\
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{port}" --rdzv-id="$SLURM_JOB_ID" \\
-    -m calibration.worker {join(worker, "calibrate options")} --command {quote(cmd, "the command line")}
+    -m calibration.worker --results "$STAGE" {join(worker, "calibrate options")} --command {quote(cmd, "the command line")}
+
+# every file over the earlier run's, one rename each; meta.json, which marks the run complete, last
+for f in "$STAGE"/*; do
+  [ "$(basename "$f")" = meta.json ] || mv -f "$f" "$RESULTS/"
+done
+mv -f "$STAGE/meta.json" "$RESULTS/meta.json"
+rmdir "$STAGE"
 
 # fit alpha/beta, GEMM curve and memory numbers; write the profile atomically
 {join(fit, "calibrate --out")}

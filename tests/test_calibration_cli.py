@@ -3,10 +3,9 @@ import shutil
 import subprocess
 
 import pytest
+from calib_synthetic import write
 
 from axoplan.cli import main
-
-from calib_synthetic import write
 
 
 def run(capsys, *args):
@@ -70,7 +69,7 @@ def test_emit_slurm_script_is_valid_bash(capsys, tmp_path):
     assert "#SBATCH --nodes=4" in text and "--nproc-per-node=4" in text and "--rdzv-backend=c10d" in text
     assert "calibration.worker" in text and "--from-results" in text and "--quick" in text
     if shutil.which("bash"):
-        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
 
 
 def test_parts_need_the_ranks_of_the_earlier_run(capsys, tmp_path):
@@ -78,3 +77,50 @@ def test_parts_need_the_ranks_of_the_earlier_run(capsys, tmp_path):
     code, _, err = run(capsys, "--out", str(tmp_path / "p.yaml"), "--parts", "trainer", "--results", str(tmp_path / "r"),
                        "--nproc", "2")
     assert code == 2 and "differs from the 4 ranks" in err and err.count("\n") == 1
+
+
+def _fake_cluster(tmp_path, worker_exit: int):
+    """A bin folder with srun (runs the 'worker': writes meta.json and attention.csv into the folder after
+    --results, or fails) and scontrol/axoplan stand-ins that only record that they ran."""
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = f"""#!/bin/bash
+while [ $# -gt 0 ]; do [ "$1" = --results ] && dir="$2"; shift; done
+[ {worker_exit} -eq 0 ] || exit {worker_exit}
+echo new > "$dir/attention.csv"; echo '{{"status": "complete"}}' > "$dir/meta.json"
+"""
+    for name, text in (("srun", srun), ("scontrol", "#!/bin/bash\necho node1\n"),
+                       ("axoplan", f"#!/bin/bash\necho fitted > {tmp_path}/fitted\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+@pytest.mark.parametrize("worker_exit", [0, 1])
+def test_emit_slurm_replaces_an_earlier_run_only_when_the_new_one_finished(tmp_path, worker_exit):
+    """The batch script measures into a staging folder beside the earlier complete run: a failed
+    measurement leaves that run untouched; a finished one replaces its files, meta.json last."""
+    import os
+    import subprocess
+
+    from calibration.slurm import sbatch_script
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "attention.csv").write_text("old\n")
+    (results / "meta.json").write_text('{"status": "complete", "old": true}\n')
+    script = tmp_path / "cal.sbatch"
+    script.write_text(sbatch_script(2, 4, str(tmp_path / "p.yaml"), str(results), quick=True, models=None))
+    env = dict(os.environ, PATH=f"{_fake_cluster(tmp_path, worker_exit)}:{os.environ['PATH']}",
+               SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node1", SLURM_NNODES="2")
+    r = subprocess.run(["bash", str(script)], check=False, env=env, capture_output=True, text=True, cwd=tmp_path)
+    if worker_exit:
+        assert r.returncode != 0
+        assert (results / "attention.csv").read_text() == "old\n" and '"old"' in (results / "meta.json").read_text()
+        assert not (tmp_path / "fitted").exists()
+    else:
+        assert r.returncode == 0, r.stderr
+        assert (results / "attention.csv").read_text() == "new\n" and '"old"' not in (results / "meta.json").read_text()
+        assert not (results / ".measuring-slurm-77").exists() and (tmp_path / "fitted").exists()
