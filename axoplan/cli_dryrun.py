@@ -7,20 +7,12 @@ import json
 import click
 from rich.table import Table
 
-from . import inputs
-from .cli_plan import _common, _emit, _render, parse_grid
+from .cli_plan import _emit, _render, one_config, parse_grid
 from .errors import UserError
-from .launch import ORDERS
 
 
 @click.command("dryrun")
-@_common
-@click.option("--grid", required=True, help="GX,GY,GZ,GDATA")
-@click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS)))
-@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Default: the fastest feasible for this grid.")
-@click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-@click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None)
+@one_config
 def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
            output):
     """Will it fit? Run one training step of the bundled trainer as rank 0 of GPUS with fake tensors (no GPU,

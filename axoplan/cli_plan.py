@@ -167,14 +167,23 @@ def parse_grid(grid: str) -> tuple[int, int, int, int]:
     return vals
 
 
+def one_config(f):
+    """The options of commands about one configuration (explain, dryrun), on top of _common's."""
+    for opt in reversed((
+            click.option("--grid", required=True, help="GX,GY,GZ,GDATA"),
+            click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS))),
+            click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None,
+                         help="Default: the fastest feasible for this grid."),
+            click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best",
+                         show_default=True),
+            click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True),
+            click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None))):
+        f = opt(f)
+    return _common(f)
+
+
 @click.command("explain")
-@_common
-@click.option("--grid", required=True, help="GX,GY,GZ,GDATA")
-@click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS)))
-@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Default: the fastest feasible for this grid.")
-@click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-@click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None)
+@one_config
 def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
             output):
     """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""

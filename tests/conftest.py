@@ -123,3 +123,18 @@ def model_yaml(tmp_path):
         return path
 
     return _write
+
+
+def run_cli(args, capsys):
+    """`axoplan ARGS` in this process: (exit code, stdout, stderr)."""
+    from axoplan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def one_sentence(code, err):
+    """A user error: exit code 2 and one `error:` line, no traceback."""
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err

@@ -11,12 +11,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import profile_dict
+from conftest import one_sentence, profile_dict, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from axoplan import inputs
-from axoplan.cli import main
 from axoplan.errors import UserError
 from axoplan.launch import config_from_dict
 from axoplan.machine import load_profile
@@ -27,16 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = (ROOT / "axoplan/presets/gpt-tiny.yaml").read_text()
 JOB = ["--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2", "--global-batch", "4"]
 
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
-def one_sentence(code, err):
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def _set(argv, opt, value):
