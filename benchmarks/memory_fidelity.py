@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                   f"{100 * err:+6.1f}% {'equal' if same else 'DIFFER':>6}  {r['predicted_peak_at']} | {r['traced_peak_at']}")
             sys.stdout.flush()
         print(f"{model}: {len(errs)} grids, |error| mean {100 * statistics.mean(errs):.2f}%, max {100 * max(errs):.2f}%, "
-              f"collectives equal in {sum(r['collectives_equal'] for r in rows if r['model'] == model)}/{len(errs)} "
+              f"collectives equal in {sum(r['collectives_equal'] for r in rows if r.get('model') == model)}/{len(errs)} "
               f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
