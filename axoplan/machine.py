@@ -221,7 +221,9 @@ class MachineProfile:
         out[...] = inter
         if np.any(inside):
             # one table lookup per distinct (size, stride) inside a node, not per candidate or per node size
-            pairs, inv = np.unique(np.stack([size_b[inside], stride_b[inside]], axis=-1), axis=0, return_inverse=True)
+            # inside a node size and stride are at most gpus_per_node: one int64 key per pair (a fast 1-D unique)
+            keys, inv = np.unique(size_b[inside] * (n + 1) + stride_b[inside], return_inverse=True)
+            pairs = np.stack([keys // (n + 1), keys % (n + 1)], axis=-1)
             bw = np.array([self.intra_busbw(int(a), int(b)) if a >= 2 else np.nan for a, b in pairs])
             out[inside] = bw[inv.reshape(-1)] * self.corrections.intra_bw_scale
         out[size_b <= 1] = np.inf
