@@ -165,13 +165,13 @@ def _commit(staging: Path, results: Path) -> None:
 
 def _last_error_line(log_path: Path) -> str:
     try:
-        lines = [l.strip() for l in log_path.read_text().splitlines() if l.strip()]
+        lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
     except OSError:
         return ""
     # the first exception line a worker printed (torchrun's own ChildFailedError summary comes later)
-    for l in lines:
-        m = re.match(r"^(?:\[rank\d+\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b:?.*)$", l)
-        if m and "ChildFailedError" not in l:
+    for line in lines:
+        m = re.match(r"^(?:\[rank\d+\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit)\b:?.*)$", line)
+        if m and "ChildFailedError" not in line:
             return m.group(1)[:200]
     return ""
 

@@ -319,7 +319,7 @@ def _table_lookup(tab: GemmTable, shapes: np.ndarray, layout: str | None):
         for i, (a, b, c) in enumerate(shapes):
             hit = tab.exact.get((int(a), int(b), int(c)))
             if hit:
-                cands = [hit[l] for l in layouts if l in hit]
+                cands = [hit[layout] for layout in layouts if layout in hit]
                 if layout is None and tab.swappable:
                     other = tab.exact.get((int(b), int(a), int(c)), {})
                     cands += list(other.values())
@@ -503,12 +503,12 @@ def _load_gemm_table(path: Path, rd: _Reader) -> GemmTable:
         ok = True
         for i, a in enumerate(vals[0]):
             for j, b in enumerate(vals[1]):
-                for l, c in enumerate(vals[2]):
+                for kk, c in enumerate(vals[2]):
                     sec = data[(a, b, c)].get(lay)
                     if sec is None:
                         ok = False
                         break
-                    arr[i, j, l] = np.log(2.0 * a * b * c / sec)
+                    arr[i, j, kk] = np.log(2.0 * a * b * c / sec)
         if ok:
             log_tput[lay] = arr
     if not log_tput:

@@ -91,7 +91,7 @@ class ModelSpec:
 
     @property
     def n_params(self) -> int:
-        per_block = sum(l.k * l.n for l in self.block_linears()) + 2 * self.hidden  # two norms
+        per_block = sum(lin.k * lin.n for lin in self.block_linears()) + 2 * self.hidden  # two norms
         emb = self.padded_vocab * self.hidden
         pos = self.seq_len * self.hidden if self.position == "learned" else 0
         return self.n_layers * per_block + 2 * emb + pos + self.hidden
@@ -100,7 +100,7 @@ class ModelSpec:
         """Model FLOP per token for forward+backward (matmuls and attention scores, causal not halved,
         as in the paper's accounting); with recompute the forward is counted twice."""
         s = seq_len or self.seq_len
-        mm = sum(l.k * l.n for l in self.block_linears()) * self.n_layers + self.hidden * self.padded_vocab
+        mm = sum(lin.k * lin.n for lin in self.block_linears()) * self.n_layers + self.hidden * self.padded_vocab
         attn = 2 * s * self.hidden * self.n_layers  # QK^T and AV per token, forward
         fwd = 2 * mm + 2 * attn
         factor = 4 if recompute else 3

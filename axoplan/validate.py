@@ -185,10 +185,10 @@ def parse_log(text: str) -> RunResult:
 
 def error_line(text: str, limit: int = 300) -> str:
     """The most telling line of a failed run's output, one line."""
-    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.startswith(_TRAILER)]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith(_TRAILER)]
     pick = None
     for pat in (r"^error: ", r"(Error|Exception)\b.*:", r"error", r"Signal \d+"):
-        hits = [l for l in lines if re.search(pat, l, re.IGNORECASE)]
+        hits = [line for line in lines if re.search(pat, line, re.IGNORECASE)]
         if hits:
             pick = hits[-1] if pat != r"^error: " else hits[0]
             break
@@ -321,7 +321,7 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     full = no_space(run_dir)
     if full is not None:
         return _infra(f"the run folder cannot take writes ({full}): {res.error}", wall)
-    if rc != 0 and not any(l.strip() and not l.startswith(_TRAILER) for l in text.splitlines()):
+    if rc != 0 and not any(line.strip() and not line.startswith(_TRAILER) for line in text.splitlines()):
         # torchrun and the trainer always say why they fail: a failure without a word lost its output
         return _infra(f"exit code {rc} with no output at all (its output was lost)", wall)
     if rc == 0:

@@ -111,7 +111,7 @@ def end_processes(procs: list[tuple[int, str]], groups: list[int] = (), grace_s:
                 os.killpg(g, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-        for p, st in alive():
+        for p, _started in alive():
             try:
                 os.kill(p, sig)
             except (ProcessLookupError, PermissionError):

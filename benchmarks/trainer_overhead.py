@@ -68,7 +68,6 @@ def main():
     from axoplan.launch import LaunchConfig
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Trainer, init_distributed
-    from axoplan.specs import load_model
 
     cfg = LaunchConfig(model=args.model, global_batch=args.global_batch, micro_batch=args.micro_batch, metrics=None,
                        blas_tuning=args.blas_tuning)

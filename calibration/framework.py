@@ -64,7 +64,7 @@ def run(device, dtype, mean_over_ranks: Callable[[list[float]], list[float]],
         tr = _trainer(tiny_model(layers, hidden, heads, vocab, seq), grad_acc, mb, device, dtype)
         step = [0]
 
-        def one():
+        def one(tr=tr, step=step):  # bound now: the closure runs inside this iteration only
             step[0] += 1
             tr.train_step(step[0])
 

@@ -117,11 +117,11 @@ def run_attention(shapes: list[tuple[int, int, int, int]], dtype, device,
         grad = torch.randn(b, h, s, d, device=device).to(dtype)
         runs = []
         for causal in (False, True):
-            def fwd(causal=causal):
+            def fwd(causal=causal, q=q, k=k, v=v):
                 with torch.no_grad():
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            def fwd_bwd(causal=causal):
+            def fwd_bwd(causal=causal, q=q, k=k, v=v, grad=grad):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 q.grad = k.grad = v.grad = None
                 out.backward(grad)

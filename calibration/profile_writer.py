@@ -423,7 +423,9 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
         by_model[(r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq"], r["global_batch"])].append(r)
     for (layers, hidden, heads, vocab, seq, gb), rs in by_model.items():
         model = calibration_model(layers, hidden, heads, vocab, seq)
-        col = lambda k, dt=np.int64, rs=rs: np.array([r[k] for r in rs], dtype=dt)
+        def col(k, dt=np.int64, rs=rs):
+            return np.array([r[k] for r in rs], dtype=dt)
+
         c = Candidates(col("gx"), col("gy"), col("gz"), col("gdata"),
                        np.array([ORDERS.index(r["order"]) for r in rs], dtype=np.int8), col("micro_batch"),
                        np.zeros(len(rs), dtype=bool))
@@ -460,7 +462,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     try:
         meta = results.meta()
     except FileNotFoundError:
-        raise CalibrationError(f"{results.path} holds no readable meta.json (not a calibration results folder)")
+        raise CalibrationError(f"{results.path} holds no readable meta.json (not a calibration results folder)") from None
     except ResultsError as e:
         if "cannot read" in str(e):
             raise CalibrationError(f"{results.path} holds no readable meta.json (not a calibration results folder)") from None

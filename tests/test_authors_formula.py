@@ -6,7 +6,6 @@ differ for transposed layers exactly where their formula passes the un-swapped s
 The reference formula is re-derived here from reference §3, in bytes and GB/s (their code divides
 GiB by GB/s, a constant 2^30/10^9 that changes no ranking).
 """
-import itertools
 
 import numpy as np
 import pytest

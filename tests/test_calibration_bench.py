@@ -8,9 +8,9 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from calibration import gemm, memory
-from calibration.collectives import crosses_nodes, group_shapes, groups_of
-from calibration.timing import time_call
+from calibration import gemm, memory  # noqa: E402
+from calibration.collectives import crosses_nodes, group_shapes, groups_of  # noqa: E402
+from calibration.timing import time_call  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", gemm.LAYOUTS)

@@ -161,7 +161,7 @@ def test_trainer_grids_cover_every_grid_and_placement_the_models_divide():
         g4 = T.grids(4, model)
         # 4 ranks: 13 distinct grids and placements (as validate --all measures), none a grid of one
         assert len(g4) == len(set(g4)) == 13
-        for gx, gy, gz, gd, order, mb in g4:
+        for gx, gy, gz, gd, _order, mb in g4:
             assert gx * gy * gz * gd == 4 and mb == T.global_batch(4) // (gd * gz)
             assert grid_problem(model, gx, gy, gz, gd, T.global_batch(4), mb) is None
         assert len(T.grids(64, model)) == T.MAX_GRIDS  # many ranks: an even spread, not all of them

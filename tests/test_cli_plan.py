@@ -15,7 +15,6 @@ import pytest
 import axoplan
 from axoplan.cli import main
 
-from conftest import tiny_model
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason"]
@@ -55,7 +54,7 @@ def test_rank_table(cli, job):
     assert code == 0, err
     assert "test-tiny on 16 x pm-test GPUs" in out
     assert "feasible" in out and "candidates" in out
-    body = [l for l in out.splitlines() if " x " in l and "│" in l]
+    body = [line for line in out.splitlines() if " x " in line and "│" in line]
     assert len(body) == 3
 
 

@@ -321,7 +321,6 @@ def test_headroom_must_leave_memory(write_profile):
 
 
 def test_unknown_top_level_field_is_named(write_profile, tmp_path):
-    import yaml
 
     path = write_profile()
     d = yaml.safe_load(open(path))

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from axoplan.costmodel.batch import evaluate
 from axoplan.errors import UserError
 from axoplan.launch import ORDERS
-from axoplan.space import (Candidates, distinct_orders, divisibility_masks, divisors, enumerate_space,
+from axoplan.space import (distinct_orders, divisibility_masks, divisors, enumerate_space,
                            factorizations4, grid_problem, micro_batch_choices, strides)
 from axoplan.specs import Job, ModelSpec
 

@@ -128,7 +128,7 @@ def test_kill_9_then_a_second_sweep_is_refused_and_resume_ends_the_orphans(tmp_p
         lines = []
         s = V.run_sweep(sweep(pm_path, timeout_s=120.0), out, resume=True, echo=lines.append, runner=runner,
                         launcher=launcher_of([summary_cmd(t) for t in (1.0, 2.0, 3.0)]))
-        assert any(l.startswith("ending ") and str(grandchild) in l for l in lines), lines
+        assert any(line.startswith("ending ") and str(grandchild) in line for line in lines), lines
         assert len(calls) == 3 and s["ok"] == 3
         log = (run_dir / "run.log").read_text()
         assert log.count('"summary": true') == 1  # one run's output, not two runs mixed
@@ -159,7 +159,7 @@ def test_a_stale_or_unreadable_lock_is_taken_over(tmp_path, pm_path):
                                                                       "start": P.proc_start(orphan.pid)}])))
         lines = []
         V.run_sweep(sweep(pm_path, top_k=1), out, resume=True, echo=lines.append)
-        assert orphan.wait(timeout=5) == -signal.SIGTERM and any(str(orphan.pid) in l for l in lines)
+        assert orphan.wait(timeout=5) == -signal.SIGTERM and any(str(orphan.pid) in line for line in lines)
     finally:
         orphan.kill()
     (out / "sweep.lock").write_bytes(b"\xff\x00garbage")

@@ -198,7 +198,7 @@ def test_a_sweep_from_before_repeats_resumes(tmp_path, pm_path):
     V.run_sweep(sweep(pm_path, top_k=2), out, echo=lambda s: None, runner=runner)
     lines = (out / "results.csv").read_text().splitlines()
     cut = lines[0].split(",").index("repeat")
-    (out / "results.csv").write_text("\n".join(",".join(l.split(",")[:cut]) for l in lines[:2]) + "\n")
+    (out / "results.csv").write_text("\n".join(",".join(line.split(",")[:cut]) for line in lines[:2]) + "\n")
     sj = json.loads((out / "sweep.json").read_text())
     del sj["repeats"]
     (out / "sweep.json").write_text(json.dumps(sj))

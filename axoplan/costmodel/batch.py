@@ -195,7 +195,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 
     # ---- per layer: GEMMs and collectives --------------------------------------------
     lins = model.block_linears()
-    gem = [K.linear_gemms(profile, l, gx, gy, T, tuning) for l in lins]
+    gem = [K.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
     lm = model.lm_head()
     gem_lm = K.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = K.attention_seconds(profile, model, gy, mb, S)
@@ -216,7 +216,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                  * model.n_layers + ew_emb_f + ew_emb_b + gem_lm.fwd + gem_lm.dgrad + gem_lm.wgrad + ew_head_f + ew_head_b)
         calls = C.calls_per_micro_batch(model, g)
         g = dataclasses.replace(g, burst=comp0 / np.maximum(calls, 1.0))
-    col = [C.linear_collectives(profile, g, l, T, e) for l in lins]
+    col = [C.linear_collectives(profile, g, lin, T, e) for lin in lins]
     col_lm = C.linear_collectives(profile, g, lm, T, e)
     col_emb = C.embedding_collectives(profile, g, model, T, e)
     norm_f, norm_b = C.norm_collectives(profile, g, model, T, "norm")
@@ -230,8 +230,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     half_f = ew_f / 2
     extra_f = [attn_f + half_f, 0.0, half_f, 0.0]
     norm_block_f = [norm_f.seconds, 0.0, norm_f.seconds, 0.0]
-    fwd_block = [Window(l.name, gem[i].fwd + extra_f[i] + casts[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
-                        col[i]["ag"].seconds, _zero(n)) for i, l in enumerate(lins)]
+    fwd_block = [Window(lin.name, gem[i].fwd + extra_f[i] + casts[i], col[i]["ar_fwd"].seconds + norm_block_f[i],
+                        col[i]["ag"].seconds, _zero(n)) for i, lin in enumerate(lins)]
     emb_f = Window("embedding", ew_emb_f, col_emb["ar_fwd"].seconds, col_emb["ag"].seconds, _zero(n))
     lm_f = Window("lm_head", gem_lm.fwd + ew_head_f, col_lm["ar_fwd"].seconds + norm_f.seconds
                   + t_loss, col_lm["ag"].seconds, _zero(n))
@@ -279,7 +279,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                + norm_f.seconds + norm_b.seconds + t_loss)
 
     # ---- per step: data-parallel gradients and the optimizer ------------------------------------
-    block_elems = [(l.k // (gx if not l.transposed else gy)) * (l.n // (gy if not l.transposed else gx)) for l in lins]
+    block_elems = [(lin.k // (gx if not lin.transposed else gy)) * (lin.n // (gy if not lin.transposed else gx)) for lin in lins]
     lm_elems = (lm.k // gx) * (lm.n // gy)
     emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
     shard = sum(C.shard_elems(b, gz) for b in block_elems) * L + C.shard_elems(lm_elems, gz) + C.shard_elems(emb_elems, gz)

@@ -209,8 +209,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
         return -(-nb // gz), nb
 
     lins = model.block_linears()
-    casts = [Work((4 + e) * shard(l)[0], 1) * half for l in lins]
-    acc = sum(_accumulate(*shard(l), gz, e, e) for l in lins)
+    casts = [Work((4 + e) * shard(lin)[0], 1) * half for lin in lins]
+    acc = sum(_accumulate(*shard(lin), gz, e, e) for lin in lins)
 
     rope = model.position == "rope"
     attn_f = Work()

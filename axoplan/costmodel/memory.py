@@ -153,7 +153,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
 
     def inflight(layers):
         """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
-        return sum(l.inflight for l in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
+        return sum(layer.inflight for layer in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
 
     moments = {}
 

@@ -169,7 +169,7 @@ class ParallelGPT:
 
         cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
         w, n = self.weights, self.spec.n_layers
-        units = [[w["lm_head"]]] + [[w[f"blocks.{i}.{l}"] for l in BLOCK_LINEARS] for i in reversed(range(n))]
+        units = [[w["lm_head"]]] + [[w[f"blocks.{i}.{name}"] for name in BLOCK_LINEARS] for i in reversed(range(n))]
         units.append([w["tok_emb"]])
         out, cur = [], []
         for k, unit in enumerate(units):
@@ -191,13 +191,13 @@ class ParallelGPT:
     # ---- gather sequences (OAG) ----------------------------------------------------------
     def gather_sequence(self, backward: bool) -> list[ShardedWeight]:
         w, n = self.weights, self.spec.n_layers
-        seq = [w["tok_emb"]] + [w[f"blocks.{i}.{l}"] for i in range(n) for l in BLOCK_LINEARS] + [w["lm_head"]]
+        seq = [w["tok_emb"]] + [w[f"blocks.{i}.{name}"] for i in range(n) for name in BLOCK_LINEARS] + [w["lm_head"]]
         if not backward:
             return seq
         seq.append(w["lm_head"])
         for i in reversed(range(n)):
             names = BLOCK_LINEARS if self.checkpointing else tuple(reversed(BLOCK_LINEARS))
-            seq += [w[f"blocks.{i}.{l}"] for l in names]
+            seq += [w[f"blocks.{i}.{name}"] for name in names]
         return seq
 
     # ---- forward -------------------------------------------------------------------------

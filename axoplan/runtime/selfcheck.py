@@ -93,7 +93,7 @@ def default_cases(world: int) -> list[Case]:
         cases.append(Case(g))
         cases.append(Case(g, oar=False, ors=False, oag=False, ckpt=True, dp=False))
     if world == 8:  # every grid in two placement orders: xyz with the flags on, zyx with them off
-        for i, g in enumerate(grids):
+        for i in range(len(grids)):
             cases[2 * i + 1].order = "zyx"
         full = (2, 2, 2, 1)  # X, Y and Z all split: each flag alone
         cases += [Case(full, oar=False), Case(full, ors=False), Case(full, oag=False), Case(full, ckpt=True, oag=False),
