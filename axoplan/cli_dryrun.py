@@ -58,4 +58,7 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
               f"{r['traced_memory_gib'] * scale:.2f} {unit} at {r['traced_peak_at']} ({err:+.1f}%)"),
              "collectives: " + ("every one equal in calls and bytes" if not differ else f"{differ} differ"),
              "tensors only: the CUDA context, NCCL buffers and allocator fragmentation are the profile's headroom"]
+    if c["global_batch_traced"] != c["global_batch"]:
+        notes.append(f"traced and predicted with global batch {c['global_batch_traced']} (two micro-batches per step): "
+                     f"a step of more micro-batches holds the same peak and repeats their collectives")
     _emit(_render([head, m, t] + notes), output)

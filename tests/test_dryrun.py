@@ -88,3 +88,15 @@ def test_cli_bad_grid_is_one_sentence(capsys, grid, needle):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and "Traceback" not in err and needle in err
+
+
+def test_a_huge_global_batch_is_traced_with_two_micro_batches(capsys):
+    """16M sequences on one GPU would be 16M micro-batches: the peak and the per-micro-batch collectives are
+    those of two, so two are traced and predicted (the tool stays a few seconds, and says so)."""
+    r = compare("gpt-tiny", "localhost-cpu", 2, 2**24, (1, 1, 2, 1), micro_batch=1, checkpointing=True)
+    assert r["config"]["global_batch"] == 2**24 and r["config"]["global_batch_traced"] == 4
+    assert r["predicted_memory_gib"] == pytest.approx(r["traced_memory_gib"], rel=0.03)
+    with pytest.raises(SystemExit) as e:
+        main(["dryrun", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "1", "--global-batch",
+              str(2**24), "--grid", "1,1,1,1", "--micro-batch", "1"])
+    assert e.value.code == 0 and "traced and predicted with global batch 2" in capsys.readouterr().out

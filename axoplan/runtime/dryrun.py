@@ -101,10 +101,16 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     why = ex.summary["reason"][0]
     if why and "GiB" not in why:  # out of memory is worth tracing; a grid the model cannot split is not
         raise UserError(f"grid {','.join(map(str, grid))} cannot run {model}: {why}")
+    # a step of many micro-batches repeats the second one: its peak and per-micro-batch collectives are
+    # those of two, so trace (and predict) two and keep the time and memory of the tool bounded
+    mb, ck = int(row.micro_batch), bool(row.checkpointing)
+    traced_batch = min(global_batch, grid[2] * grid[3] * mb * 2)
+    if traced_batch != global_batch:
+        ex = explain(model, machine, gpus, traced_batch, grid, order=order, seq_len=seq_len, micro_batch=mb,
+                     checkpointing=ck, overlap=overlap)
     ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap, data_parallel=overlap)
-    cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=global_batch,
-                       micro_batch=int(row.micro_batch), seq_len=seq_len, checkpointing=bool(row.checkpointing),
-                       overlap=ov, metrics=None)
+    cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=traced_batch,
+                       micro_batch=mb, seq_len=seq_len, checkpointing=ck, overlap=ov, metrics=None)
     from ..machine import load_profile
 
     dtype = "bf16" if load_profile(machine).dtype_bytes == 2 else "fp32"
@@ -126,4 +132,5 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
             "predicted_peak_at": ex.memory.attrs.get("peak_at", ""), "traced_peak_at": tr.peak_where,
             "config": {"gx": cfg.grid.gx, "gy": cfg.grid.gy, "gz": cfg.grid.gz, "gdata": cfg.grid.gdata, "order": order,
                        "micro_batch": cfg.micro_batch, "checkpointing": cfg.checkpointing, "dtype": dtype,
+                       "global_batch": global_batch, "global_batch_traced": traced_batch,
                        "max_inflight_reduce_scatters_traced": tr.max_inflight_rs}}
