@@ -100,3 +100,11 @@ def test_a_huge_global_batch_is_traced_with_two_micro_batches(capsys):
         main(["dryrun", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "1", "--global-batch",
               str(2**24), "--grid", "1,1,1,1", "--micro-batch", "1"])
     assert e.value.code == 0 and "traced and predicted with global batch 2" in capsys.readouterr().out
+
+
+def test_blocks_padded_to_z_move_their_padding():
+    """gz = 24 divides none of gpt-tiny's blocks evenly: each all-gather and reduce-scatter moves the block
+    zero-padded to 24 shards, and the model counts those bytes (dryrun found it counting the bare block)."""
+    r = compare("gpt-tiny", "localhost-cpu", 24, 48, (1, 1, 24, 1), micro_batch=1, checkpointing=True)
+    z = [c for c in r["collectives"] if c["axis"] == "z"]
+    assert z and all(c["predicted_bytes"] == c["traced_bytes"] and c["predicted_calls"] == c["traced_calls"] for c in z)

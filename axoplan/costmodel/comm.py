@@ -210,13 +210,18 @@ def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes
     all-gather of the weight block and reduce-scatter of its gradient over Z."""
     ax_in, ax_out = linear_axes(lin)
     g_in, g_out = g.size[ax_in], g.size[ax_out]
-    block = (lin.k // g_in) * (lin.n // g_out) * dtype_bytes
+    block = padded_block((lin.k // g_in) * (lin.n // g_out), g.size["z"]) * dtype_bytes
     return {
         "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * (lin.n // g_out) * dtype_bytes),
         "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * (lin.k // g_in) * dtype_bytes),
         "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
         "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block),
     }
+
+
+def padded_block(elems, gz) -> np.ndarray:
+    """Elements a weight block's all-gather and reduce-scatter move: the block zero-padded to gz shards."""
+    return shard_elems(elems, gz) * gz
 
 
 def shard_elems(lin_elems_block, gz) -> np.ndarray:
@@ -236,7 +241,7 @@ def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) ->
 def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes) -> dict[str, Collective]:
     """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
     all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
-    block = (model.padded_vocab // g.size["y"]) * (model.hidden // g.size["x"]) * dtype_bytes
+    block = padded_block((model.padded_vocab // g.size["y"]) * (model.hidden // g.size["x"]), g.size["z"]) * dtype_bytes
     return {
         "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
         "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * (model.hidden // g.size["x"]) * dtype_bytes),
