@@ -241,9 +241,8 @@ def config_from_row(row, model: str, global_batch: int, seq_len: int | None = No
 
 
 def is_cpu_profile(profile) -> bool:
-    """CPU profiles run fp32 with gloo; GPU profiles a 16-bit dtype with NCCL (MachineProfile.blas_tuning
-    uses the same rule)."""
-    return profile.dtype == "fp32"
+    """CPU profiles run gloo ranks; GPU profiles NCCL with a GPU per rank (the profile's `kind`)."""
+    return profile.kind == "cpu"
 
 
 # Network environment per interconnect, used when the profile has no `launch.env` section.

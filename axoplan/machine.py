@@ -26,7 +26,7 @@ US = 1e-6
 LAYOUTS = ("NN", "NT", "TN")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SCHEMA = "axoplan-profile/1"
-TOP_LEVEL_KEYS = {"schema", "name", "description", "device", "dtype", "gpus_per_node", "memory", "compute", "network",
+TOP_LEVEL_KEYS = {"schema", "name", "description", "device", "kind", "dtype", "gpus_per_node", "memory", "compute", "network",
                   "corrections", "calibration", "launch", "source"}
 
 
@@ -112,6 +112,17 @@ class AttentionTable:
         return tuple(float(np.exp(np.interp(x, np.log(ns), logs[:, i]))) for i in (0, 1))
 
 
+def _kind(d, rd) -> str:
+    if "kind" not in d:
+        rd.fail("kind", "is missing: say which device the profile describes, `kind: gpu` or `kind: cpu`")
+    if d["kind"] not in KINDS:
+        rd.fail("kind", f"must be one of {', '.join(KINDS)}, got {d['kind']!r}")
+    return d["kind"]
+
+
+KINDS = ("gpu", "cpu")
+
+
 def _elementwise_kernels(comp, rd) -> str:
     kind = comp.get("elementwise_kernels", "eager") if isinstance(comp, dict) else "eager"
     if kind not in ELEMENTWISE_KERNELS:
@@ -129,6 +140,9 @@ class MachineProfile:
     device: str
     dtype: str
     gpus_per_node: int
+    # gpu: NCCL, BLAS tuning, fused AdamW, --gpus-per-node in Slurm; cpu: gloo ranks sharing cores. Chosen by
+    # the profile's `kind`, never guessed from the dtype
+    kind: str
     mem_capacity: float  # bytes per GPU
     mem_headroom: float  # bytes
     mem_bandwidth: float  # bytes/s
@@ -180,8 +194,8 @@ class MachineProfile:
 
     @property
     def blas_tuning(self) -> bool:
-        """The trainer tunes GEMM layouts on GPUs (bf16) and not on CPU (fp32), by default."""
-        return self.dtype != "fp32"
+        """The trainer tunes GEMM layouts on GPUs and not on CPU, by default."""
+        return self.kind == "gpu"
 
     def replace(self, **kw) -> MachineProfile:
         return dataclasses.replace(self, **kw)
@@ -752,6 +766,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         name=d["name"],
         description=str(d.get("description", "")),
         device=str(d.get("device", "")),
+        kind=_kind(d, rd),
         dtype=dtype,
         gpus_per_node=int(gpn),
         mem_capacity=capacity * GIB,

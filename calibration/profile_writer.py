@@ -487,6 +487,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
                            if not meta.get("cuda") else "")
                         + f", {meta['dtype']}; measured by axoplan calibrate {meta['date']}"),
         "device": meta["device"],
+        "kind": "gpu" if meta.get("cuda") else "cpu",
         "dtype": meta["dtype"],
         "gpus_per_node": {"value": meta["ranks_per_node"],
                           "source": f"{tag}; ranks per node in the calibration run"},

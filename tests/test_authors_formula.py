@@ -27,7 +27,7 @@ def axonn_profile(machine: str):
         groups = [(2, 1, 129), (4, 1, 52), (8, 1, 135), (2, 2, 50), (4, 2, 72), (2, 4, 36)]
         inter = 40
     d = {
-        "schema": "axoplan-profile/1", "name": f"axonn-{machine}", "dtype": "bf16",
+        "schema": "axoplan-profile/1", "name": f"axonn-{machine}", "kind": "gpu", "dtype": "bf16",
         "gpus_per_node": {"value": gpn, "source": SRC},
         "memory": {"source": SRC, "capacity_gib": 1e6, "headroom_gib": 0, "bandwidth_gbs": 1e12},
         "compute": {"source": "compute set to (almost) zero for the comparison", "peak_tflops": 1e12,

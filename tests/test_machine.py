@@ -334,3 +334,26 @@ def test_unknown_top_level_field_is_named(write_profile, tmp_path):
 def test_unknown_correction_is_named(write_profile):
     msg = _err(write_profile(corrections={"gemm_scal": 2.0}))
     assert "'corrections.gemm_scal'" in msg
+
+
+def test_the_kind_of_device_is_said_not_guessed(write_profile, tmp_path):
+    """CPU vs GPU comes from the profile's `kind`, not from its dtype: an fp32 GPU profile is still a GPU
+    profile (its Slurm script asks for GPUs, it tunes BLAS, its AdamW is fused); a profile without a kind
+    is refused in one sentence."""
+    import yaml
+
+    from axoplan.errors import UserError
+    from axoplan.launch import LaunchConfig, is_cpu_profile, slurm_script
+    from conftest import profile_dict
+
+    raw = profile_dict(name="gpu-fp32", dtype="fp32")
+    raw["kind"] = "gpu"
+    p = load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="gpu-fp32")))
+    assert p.kind == "gpu" and p.blas_tuning and not is_cpu_profile(p)
+    assert "--gpus-per-node=" in slurm_script(LaunchConfig(), p, tmp_path)
+    del raw["kind"]
+    with pytest.raises(UserError, match="'kind' is missing"):
+        load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="no-kind")))
+    raw["kind"] = "tpu"
+    with pytest.raises(UserError, match="must be one of gpu, cpu"):
+        load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="bad-kind")))

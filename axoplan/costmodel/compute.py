@@ -289,8 +289,8 @@ def _fused(model: ModelSpec, T, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm
 
 
 def fused_optimizer(profile: MachineProfile) -> bool:
-    """The trainer runs AdamW as one fused kernel per group on GPUs (bf16 profiles), per tensor on CPU."""
-    return profile.dtype != "fp32"
+    """The trainer runs AdamW as one fused kernel per group on GPUs, per tensor on CPU (the profile's kind)."""
+    return profile.kind == "gpu"
 
 
 def step_work(model: ModelSpec, gx, gy, gz, gdata, micro_batch, seq_len: int, grad_acc, shard, fused: bool) -> Work:

@@ -113,8 +113,9 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
                        micro_batch=mb, seq_len=seq_len, checkpointing=ck, overlap=ov, metrics=None)
     from ..machine import load_profile
 
-    dtype = "bf16" if load_profile(machine).dtype_bytes == 2 else "fp32"
-    tr = trace_step(cfg, dtype)
+    prof = load_profile(machine)
+    dtype = "bf16" if prof.dtype_bytes == 2 else "fp32"
+    tr = trace_step(cfg, dtype, fused_optimizer=prof.kind == "gpu")  # the optimizer the run on that machine uses
     mem = {KIND_NAMES[k]: {"predicted": float(v) / GIB, "traced": tr.peak_by_kind.get(KIND_NAMES[k], 0) / GIB}
            for k, v in zip(MODEL_KINDS, ex.memory.gib[:len(MODEL_KINDS)] * GIB)}
     predicted = collections.defaultdict(lambda: [0, 0.0])
