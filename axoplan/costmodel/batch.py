@@ -28,6 +28,7 @@ from ..specs import Job, ModelSpec
 from . import comm as C
 from . import compute as K
 from .memory import Memory, memory
+from .rows import distinct_rows
 
 # the trainer's default bound on reduce-scatters in flight (one definition: the LaunchConfig's)
 MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
@@ -57,21 +58,6 @@ class Evaluation:
     flops_per_gpu: np.ndarray  # FLOP per step per GPU, the paper's accounting (recompute included)
     extrapolated: np.ndarray
     detail: dict = field(default_factory=dict)
-
-
-def unique_rows(*cols) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of the first of each distinct row of the integer columns, and each row's index among
-    them (np.unique's first and inverse), by packing the columns into one int64 where they fit."""
-    cols = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cols]
-    key, span = np.zeros_like(cols[0]), 1
-    for c in cols:
-        top = int(c.max(initial=0)) + 1
-        if span * top >= 2**62:  # would overflow: the row-wise unique instead
-            _, first, inverse = np.unique(np.stack(cols, 1), axis=0, return_index=True, return_inverse=True)
-            return first, inverse.reshape(-1)
-        key, span = key * top + c, span * top
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
 
 
 def _zero(n):
@@ -327,7 +313,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     # ---- memory ------------------------------------------------------------------------------------
     # memory depends on (gx, gy, gz, micro-batch, checkpointing) only: evaluated once per distinct row
     ck_rows = np.broadcast_to(ck, np.shape(gx)) if np.ndim(ck) <= 1 else np.zeros(np.shape(gx), dtype=bool)
-    first, inverse = unique_rows(gx, gy, gz, mb, ck_rows)
+    first, inverse = distinct_rows(gx, gy, gz, mb, ck_rows)
 
     def pick(x):
         return x[first] if np.ndim(x) else x

@@ -9,6 +9,7 @@ import numpy as np
 from ..machine import MachineProfile
 from ..specs import LinearShape, ModelSpec
 from .comm import linear_axes
+from .rows import distinct_rows
 
 
 @dataclass
@@ -178,13 +179,7 @@ def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dt
     cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
     if cols[0].ndim == 1 and cols[0].size > 256:
         # orders and checkpointing repeat each (grid, micro-batch) many times: evaluate each once
-        key = np.zeros(cols[0].size, dtype=np.int64)
-        for c in cols:
-            lo, hi = int(c.min()), int(c.max())
-            if (hi - lo + 1) * (int(key.max()) + 1) >= 2**62:  # too wide for one integer key: rank it first
-                key = np.unique(key, return_inverse=True)[1].reshape(-1)
-            key = key * (hi - lo + 1) + (c - lo)
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        first, inverse = distinct_rows(*cols)
         if len(first) < cols[0].size // 2:
             w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
                                   fused)

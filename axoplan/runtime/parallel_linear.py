@@ -80,6 +80,10 @@ class CollectiveCall:
     nbytes: int
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def layer_kind(weight_name: str) -> str:
     """'blocks.3.fc1' -> 'fc1', 'tok_emb' -> 'embedding', 'lm_head' -> 'lm_head'."""
     if weight_name == "tok_emb":
@@ -127,10 +131,10 @@ class Runtime:
         self.blocked_s += time.perf_counter() - t0
 
     # ---- what the step does, for the schedule's proof and the memory trace ----------------
-    def _record(self, layer: str, kind: str, axis: str, t: torch.Tensor) -> None:
+    def _record(self, layer: str, kind: str, axis: str, nbytes: int) -> None:
         self.counts[kind] += 1
         if self.calls is not None:
-            self.calls.append(CollectiveCall(layer, kind, axis, t.numel() * t.element_size()))
+            self.calls.append(CollectiveCall(layer, kind, axis, nbytes))
 
     def memory_kind(self, kind: str):
         """Allocations inside the context are of this kind (a no-op unless a tracer is attached)."""
@@ -153,10 +157,10 @@ class Runtime:
                 and op == dist.ReduceOp.SUM):
             # reduce in the collective dtype, hand back in the tensor's own dtype
             tmp = t.to(self.coll)
-            self._record(layer, "all_reduce", axis, tmp)
+            self._record(layer, "all_reduce", axis, _nbytes(tmp))
             work = _CastBack(dist.all_reduce(tmp, op=op, group=g, async_op=True), tmp, t)
         else:
-            self._record(layer, "all_reduce", axis, t)
+            self._record(layer, "all_reduce", axis, _nbytes(t))
             work = dist.all_reduce(t, op=op, group=g, async_op=True)
         if async_op:
             return work
@@ -170,9 +174,7 @@ class Runtime:
 
     def barrier(self) -> None:
         """Every rank at the same point (gloo runs it as a tiny all-reduce; recorded as one)."""
-        self.counts["all_reduce"] += 1
-        if self.calls is not None:
-            self.calls.append(CollectiveCall("step barrier", "all_reduce", "all", 4))
+        self._record("step barrier", "all_reduce", "all", 4)
         dist.barrier()
 
     # ---- weight all-gather with prefetch (OAG) --------------------------------------------
@@ -187,7 +189,7 @@ class Runtime:
             return w.param.detach(), None
         with self.memory_kind("gathered weights"):
             out = torch.empty(w.shard_len * w.gz, dtype=self.coll, device=w.param.device)
-            self._record(layer_kind(w.name), "all_gather", "z", out)
+            self._record(layer_kind(w.name), "all_gather", "z", _nbytes(out))
             work = _all_gather(out, w.param.detach().to(self.coll), group=self.grid.group("z"), async_op=True)
         return out, work
 
@@ -235,7 +237,7 @@ class Runtime:
                 while len(self._pending_rs) >= self.max_inflight_rs:
                     self._complete_oldest_rs()  # room first: its full-size block is released
             out = torch.empty(w.shard_len, dtype=self.coll, device=flat.device)
-            self._record(layer_kind(w.name), "reduce_scatter", "z", flat)
+            self._record(layer_kind(w.name), "reduce_scatter", "z", _nbytes(flat))
             work = _reduce_scatter(out, flat, group=self.grid.group("z"), async_op=True)
         if self.ors:
             self._pending_rs.append((w, _Pending(work, out, flat)))

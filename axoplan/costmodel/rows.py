@@ -1,0 +1,22 @@
+"""Distinct rows of integer columns over candidates: the planner's candidates repeat each (grid,
+micro-batch) across placement orders and checkpointing, so work that depends only on a few columns
+is evaluated once per distinct row and handed back to every candidate."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def distinct_rows(*cols) -> tuple[np.ndarray, np.ndarray]:
+    """(first, inverse) as np.unique gives them for the rows of the columns (broadcast together): the
+    index of each distinct row's first candidate, and each candidate's row among them. The columns are
+    packed into one int64 key (offset by their minimum; re-ranked when the key would grow too wide), so
+    this is a 1-D unique, not a row-wise one."""
+    cols = [c.reshape(-1) for c in np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in cols))]
+    key = np.zeros(cols[0].size, dtype=np.int64)
+    for c in cols:
+        lo, hi = int(c.min(initial=0)), int(c.max(initial=0))
+        if (hi - lo + 1) * (int(key.max(initial=0)) + 1) >= 2**62:  # too wide for one integer key: rank it first
+            key = np.unique(key, return_inverse=True)[1].reshape(-1)
+        key = key * (hi - lo + 1) + (c - lo)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
