@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..specs import ModelSpec
+from .comm import FP32, padded_block, shard_elems
 
 KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients")
 KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
               "activations": "activations", "logits": "logits", "transients": "transients"}
-FP32 = 4
 # fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward
 NORM_BWD_FP32_COPIES = 6
 
@@ -77,18 +77,18 @@ class _Layer:
 
 def _layer(numel, gz, e: int, grad_bytes: int | None = None) -> _Layer:
     numel = np.asarray(numel, dtype=np.float64)
-    shard = np.ceil(numel / gz)
-    padded = shard * gz
+    shard = shard_elems(numel, gz)
+    padded = padded_block(numel, gz)
     sharded = gz > 1
     # gz == 1: the "gathered" block is the fp32 shard itself, copied only when computing in half precision
     gathered = np.where(sharded, padded * e, numel * e if e != FP32 else 0.0)
     gb = e if grad_bytes is None else grad_bytes
-    dw = numel * gb + np.where(sharded & ((padded != numel) | (gb != e)), padded * e, 0.0)
+    # sharded: the block, its padded (or cast) copy for the reduce-scatter, and the reduced shard, allocated
+    # before the call is issued; gz == 1: accumulated into the fp32 gradient at once (a cast copy in half precision)
+    dw = np.where(sharded, numel * gb + np.where((padded != numel) | (gb != e), padded * e, 0.0) + shard * e,
+                  numel * gb + (numel * FP32 if gb != FP32 else 0.0))
     # in flight: the full-size block (or its padded, cast copy) and the reduced shard
     inflight = np.where(sharded, padded * e + shard * e, 0.0)
-    # gz == 1: the block is accumulated into the fp32 gradient at once (a cast copy when half precision)
-    # the reduced shard is allocated before the reduce-scatter is issued
-    dw = np.where(sharded, dw + shard * e, numel * gb + (numel * FP32 if gb != FP32 else 0.0))
     return _Layer(gathered, dw, inflight)
 
 
