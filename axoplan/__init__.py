@@ -3,6 +3,6 @@ bundled trainer, and emit launch configs. The planner imports no torch."""
 
 __version__ = "0.1.0"
 
-from .rank import explain, rank  # noqa: E402  (the public API: axoplan.rank(...), axoplan.explain(...))
+from axoplan.planner.rank import explain, rank  # noqa: E402  (the public API: axoplan.rank(...), axoplan.explain(...))
 
 __all__ = ["rank", "explain", "__version__"]

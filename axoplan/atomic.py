@@ -15,7 +15,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import UserError
+from axoplan.errors import UserError
 
 
 class OutputError(UserError, OSError):

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .errors import UserError
+from axoplan.errors import UserError
 
 # The largest counts axoplan enumerates: the planner lists every factorization and divisor of these,
 # so a bound keeps every command fast and every integer inside int64 arithmetic.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import shlex
 
-from .errors import UserError
-from .inputs import text
+from axoplan.errors import UserError
+from axoplan.inputs import text
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

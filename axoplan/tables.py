@@ -7,8 +7,8 @@ import io
 import math
 from pathlib import Path
 
-from .errors import UserError
-from .yamlio import read_text
+from axoplan.errors import UserError
+from axoplan.yamlio import read_text
 
 MAX_TABLE_BYTES = 64 * 2**20
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UserError
+from axoplan.errors import UserError
 
 MAX_BYTES = 4 * 2**20  # the largest bundled profile is 12 KiB; tables live in CSV files beside it
 MAX_DEPTH = 64  # profiles nest four levels; deeper is a mistake, and 100k levels would overflow the stack

@@ -1,6 +1,6 @@
 """Element-wise bytes and kernel launches per training step: the bundled trainer traced (every operator
 of one steady step, rank 0 of the grid, under `axoplan dryrun`'s fake tensors: runtime/optrace.py)
-against the cost model (costmodel/compute.py elementwise_work, step_work), per phase. Replaces
+against the cost model (planner/compute.py elementwise_work, step_work), per phase. Replaces
 trainer_op_counts.py, which counted one CPU grid of one and fed hand-copied constants.
 
     python benchmarks/elementwise_fidelity.py            # GPT-20B on 32, Llama-3 8B on 64 (bf16, fused AdamW)
@@ -9,7 +9,7 @@ trainer_op_counts.py, which counted one CPU grid of one and fed hand-copied cons
 import argparse
 import time
 
-from axoplan.launch import Grid, LaunchConfig
+from axoplan.loop.launch import Grid, LaunchConfig
 from axoplan.runtime.optrace import PHASES, count_step, modelled_step
 
 # (model, grid gx,gy,gz,gdata, global batch, micro-batch, checkpointing): the published GPT-20B run, Llama-3 8B

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from axoplan.memorization import StudySettings, format_table, run_study
+from axoplan.studies.memorization import StudySettings, format_table, run_study
 
 
 def main(argv=None) -> int:

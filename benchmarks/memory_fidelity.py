@@ -17,18 +17,18 @@ import statistics
 import sys
 import time
 
-from axoplan.launch import ORDERS
+from axoplan.loop.launch import ORDERS
 from axoplan.runtime.dryrun import compare
-from axoplan.space import enumerate_space
+from axoplan.planner.space import enumerate_space
 
 CASES = "gpt-20b:32:32,gpt-40b:64:64,llama3-8b:64:64"
 
 
 def grids(model: str, gpus: int, batch: int) -> list[tuple[int, int, int, int]]:
     """Grids the model divides, order xyz, micro-batch B/(gz*gdata), checkpointing on."""
-    from axoplan.costmodel.batch import evaluate
-    from axoplan.machine import load_profile
-    from axoplan.specs import Job, load_model
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.specs import Job, load_model
 
     m = load_model(model)
     c = enumerate_space(gpus, batch, "xyz", None, "on")
@@ -56,7 +56,7 @@ def _real_worker(rank, world, port, cases, out_path):
     import torch
     import torch.distributed as dist
 
-    from axoplan.launch import Grid, LaunchConfig
+    from axoplan.loop.launch import Grid, LaunchConfig
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.memtrace import MemoryTracer
     from axoplan.runtime.train import Trainer, resolve
@@ -93,8 +93,8 @@ def real_runs() -> list[dict]:
 
     import torch.multiprocessing as mp
 
-    from axoplan.machine import GIB
-    from axoplan.rank import explain
+    from axoplan.planner.machine import GIB
+    from axoplan.planner.rank import explain
 
     rows = []
     for world in (1, 2, 4, 8):

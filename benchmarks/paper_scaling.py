@@ -24,9 +24,9 @@ import sys
 import time
 
 from axoplan.errors import UserError
-from axoplan.rank import rank
-from axoplan.scale import weak_scaling
-from axoplan.specs import load_model
+from axoplan.planner.rank import rank
+from axoplan.studies.scale import weak_scaling
+from axoplan.planner.specs import load_model
 
 BATCH = 8192  # sequences of 2048 tokens: 16.8M tokens per batch (reference §5)
 MODELS = ["gpt-5b", "gpt-10b", "gpt-20b", "gpt-40b", "gpt-60b", "gpt-80b", "gpt-160b", "gpt-175b"]

@@ -17,10 +17,10 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from axoplan.costmodel.batch import evaluate  # noqa: E402
-from axoplan.machine import load_profile  # noqa: E402
-from axoplan.space import enumerate_space  # noqa: E402
-from axoplan.specs import Job, load_model  # noqa: E402
+from axoplan.planner.batch import evaluate  # noqa: E402
+from axoplan.planner.machine import load_profile  # noqa: E402
+from axoplan.planner.space import enumerate_space  # noqa: E402
+from axoplan.planner.specs import Job, load_model  # noqa: E402
 
 CALCULON_RATE = 8112 / 51.8
 
@@ -85,7 +85,7 @@ def main():
     exe = [sys.executable, "-m", "axoplan.cli"]
     t_rank = wall(exe + ["rank", "--model", "gpt-175b", "--machine", a.machine, "--gpus", "65536",
                          "--global-batch", "8192"])
-    t_import = wall([sys.executable, "-c", "import axoplan.cli, axoplan.cli_plan"])
+    t_import = wall([sys.executable, "-c", "import axoplan.cli, axoplan.cli.plan"])
     t_python = wall([sys.executable, "-c", "pass"])
     print(f"whole `axoplan rank --model gpt-175b --machine {a.machine} --gpus 65536 --global-batch 8192`: "
           f"{t_rank:.2f} s wall; imports alone {t_import:.2f} s (bare python {t_python:.2f} s); "

@@ -50,10 +50,10 @@ from scipy.stats import kendalltau
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from axoplan.errors import UserError
-from axoplan.gpu_physics import GpuPhysics
-from axoplan.machine import GB, GIB, load_profile
-from axoplan.rank import explain
-from axoplan.specs import ModelSpec, load_model
+from axoplan.planner.gpu_physics import GpuPhysics
+from axoplan.planner.machine import GB, GIB, load_profile
+from axoplan.planner.rank import explain
+from axoplan.planner.specs import ModelSpec, load_model
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from axoplan import validate as V  # noqa: E402
-from axoplan.machine import load_profile  # noqa: E402
-from axoplan.rank import explain  # noqa: E402
-from axoplan.refit import format_report, predict, refit_profile, runs_from_results  # noqa: E402
+from axoplan.loop import validate as V  # noqa: E402
+from axoplan.planner.machine import load_profile  # noqa: E402
+from axoplan.planner.rank import explain  # noqa: E402
+from axoplan.loop.refit import format_report, predict, refit_profile, runs_from_results  # noqa: E402
 
 TARGETS = {"kendall_tau": 0.8, "best_in_top3": True, "regret": 0.05, "mape_before": 15.0, "mape_loo": 10.0}
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import random
 
-from calibration.collectives import crosses_nodes, group_shapes
-from calibration.fit import COLLECTIVES, ring_steps, ring_volume
-from calibration.results_io import ResultsDir
+from axoplan.calibrate.collectives import crosses_nodes, group_shapes
+from axoplan.calibrate.fit import COLLECTIVES, ring_steps, ring_volume
+from axoplan.calibrate.results_io import ResultsDir
 
 ALPHA = 30e-6  # s per ring step
 BUSBW = {(2, 1): 20e9, (4, 1): 12e9, (2, 2): 8e9}  # the intra shapes of 4 ranks per node  # bytes/s, intra-node

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from axoplan.specs import ModelSpec
+from axoplan.planner.specs import ModelSpec
 
 PERLMUTTER_LIKE = dict(
     name="pm-test",
@@ -100,7 +100,7 @@ def pm_path(write_profile) -> Path:
 
 @pytest.fixture
 def pm(pm_path):
-    from axoplan.machine import load_profile
+    from axoplan.planner.machine import load_profile
 
     return load_profile(str(pm_path))
 
@@ -128,7 +128,7 @@ def model_yaml(tmp_path):
 
 def run_cli(args, capsys):
     """`axoplan ARGS` in this process: (exit code, stdout, stderr)."""
-    from axoplan.cli import main
+    from axoplan.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(args)

@@ -20,8 +20,8 @@ PICKS = 5  # rows per job: the best, the second, and three spread over the rest 
 
 def jobs():
     """(model, profile, gpus, global batch) for every preset x profile, sized so that most fit."""
-    from axoplan.machine import profile_names
-    from axoplan.specs import load_model, preset_names
+    from axoplan.planner.machine import profile_names
+    from axoplan.planner.specs import load_model, preset_names
 
     for name in preset_names():
         params = load_model(name).n_params

@@ -10,11 +10,11 @@ GiB by GB/s, a constant 2^30/10^9 that changes no ranking).
 import numpy as np
 import pytest
 
-from axoplan.costmodel import comm as C
-from axoplan.costmodel.batch import evaluate
-from axoplan.machine import profile_from_dict
-from axoplan.space import enumerate_space, factorizations4
-from axoplan.specs import Job, LinearShape, load_model
+from axoplan.planner import comm as C
+from axoplan.planner.batch import evaluate
+from axoplan.planner.machine import profile_from_dict
+from axoplan.planner.space import enumerate_space, factorizations4
+from axoplan.planner.specs import Job, LinearShape, load_model
 
 SRC = "AxoNN authors' performance model (shared/reference/data/axonn_perf_model_bandwidth_table.csv)"
 

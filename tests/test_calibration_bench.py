@@ -1,4 +1,4 @@
-"""Each microbenchmark really runs: unit checks in-process, then one tiny 2-rank calibration."""
+"""Each microbenchmark really runs: unit checks in-process, then one tiny 2-rank axoplan.calibrate."""
 import json
 import subprocess
 import sys
@@ -8,9 +8,9 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from calibration import gemm, memory  # noqa: E402
-from calibration.collectives import crosses_nodes, group_shapes, groups_of  # noqa: E402
-from calibration.timing import time_call  # noqa: E402
+from axoplan.calibrate import gemm, memory  # noqa: E402
+from axoplan.calibrate.collectives import crosses_nodes, group_shapes, groups_of  # noqa: E402
+from axoplan.calibrate.timing import time_call  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", gemm.LAYOUTS)
@@ -30,7 +30,7 @@ def test_grid_and_model_shapes():
     assert gemm.pow2_values(8, 2048, step=2) == [8, 32, 128, 512, 2048]
     grid = set(gemm.cartesian_grid(vals))
     assert len(grid) == 9**3 and all((n, m, k) in grid for (m, n, k) in grid)  # both forms of every shape
-    from axoplan.specs import load_model
+    from axoplan.planner.specs import load_model
 
     small = load_model("gpt-small")
     shapes = gemm.model_shapes([small], 4, (1, 16))
@@ -108,7 +108,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
 def test_interleaved_collective_is_timed_less_its_compute_burst(monkeypatch):
     """A fake clock: the burst takes 3 ms and the collective 1 ms. Back to back the call costs 1 ms; after
     each burst, less the burst's own time, it costs 1 ms too, never the 4 ms of burst plus call."""
-    from calibration import collectives
+    from axoplan.calibrate import collectives
 
     clock = [0.0]
     monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
@@ -135,7 +135,7 @@ def test_interleaved_collective_is_timed_less_its_compute_burst(monkeypatch):
 def test_overlap_measured_as_the_whole_of_call_and_burst_beside_it(monkeypatch):
     """Fake clock: a 1 ms collective started asynchronously completes while a 3 ms burst runs beside
     it, so call + burst together take 3 ms (full overlap); run serially they take 4 ms."""
-    from calibration import collectives
+    from axoplan.calibrate import collectives
 
     clock = [0.0]
     monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 from calib_synthetic import write
 
-from axoplan.cli import main
+from axoplan.cli.main import main
 
 
 def run(capsys, *args):
@@ -67,7 +67,7 @@ def test_emit_slurm_script_is_valid_bash(capsys, tmp_path):
     assert code == 0 and "sbatch" in out
     text = script.read_text()
     assert "#SBATCH --nodes=4" in text and "--nproc-per-node=4" in text and "--rdzv-backend=c10d" in text
-    assert "calibration.worker" in text and "--from-results" in text and "--quick" in text
+    assert "axoplan.calibrate.worker" in text and "--from-results" in text and "--quick" in text
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
 
@@ -105,7 +105,7 @@ def test_emit_slurm_replaces_an_earlier_run_only_when_the_new_one_finished(tmp_p
     import os
     import subprocess
 
-    from calibration.slurm import sbatch_script
+    from axoplan.calibrate.slurm import sbatch_script
 
     results = tmp_path / "results"
     results.mkdir()

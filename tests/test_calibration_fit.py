@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from calibration import profile_writer
-from calibration.fit import (COLLECTIVES, busbw, fit_alpha_beta, fit_dim_half, fit_line, ring_steps, ring_volume)
+from axoplan.calibrate import profile_writer
+from axoplan.calibrate.fit import COLLECTIVES, busbw, fit_alpha_beta, fit_dim_half, fit_line, ring_steps, ring_volume
 
 from calib_synthetic import ALPHA, BUSBW, BW, INTER_BW, OVERHEAD, SCALE, write
 
@@ -112,11 +112,11 @@ def test_framework_overhead_and_elementwise_efficiency_recovered(tmp_path):
 
     import numpy as np
 
-    from axoplan.costmodel.batch import evaluate
-    from axoplan.machine import load_profile
-    from axoplan.space import Candidates
-    from axoplan.specs import Job
-    from calibration import framework
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.space import Candidates
+    from axoplan.planner.specs import Job
+    from axoplan.calibrate import framework
 
     rd = write(tmp_path / "r")
     first = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
@@ -153,8 +153,8 @@ def test_overlap_efficiency_is_the_median_of_the_measurements(tmp_path):
 
 
 def test_trainer_grids_cover_every_grid_and_placement_the_models_divide():
-    from axoplan.space import grid_problem
-    from calibration import trainer_grids as T
+    from axoplan.planner.space import grid_problem
+    from axoplan.calibrate import trainer_grids as T
 
     for m in T.MODELS:
         model = T.calibration_model(*m)
@@ -172,11 +172,11 @@ def _trainer_rows(prof, world, true):
     """Trainer steps made by the planner itself with known corrections."""
     import numpy as np
 
-    from axoplan.costmodel.batch import evaluate
-    from axoplan.launch import ORDERS
-    from axoplan.space import Candidates
-    from axoplan.specs import Job
-    from calibration import trainer_grids as T
+    from axoplan.planner.batch import evaluate
+    from axoplan.loop.launch import ORDERS
+    from axoplan.planner.space import Candidates
+    from axoplan.planner.specs import Job
+    from axoplan.calibrate import trainer_grids as T
 
     p = prof.with_corrections(**true)
     rows = []
@@ -217,7 +217,7 @@ def test_trainer_steps_give_the_profile_known_corrections(tmp_path):
 
 
 def test_parts_measured_later_keep_their_own_date(tmp_path):
-    from calibration.worker import merge_meta
+    from axoplan.calibrate.worker import merge_meta
 
     rd = write(tmp_path / "r")
     old = rd.meta()

@@ -4,7 +4,7 @@ import os
 import pytest
 import yaml
 
-from calibration import profile_writer
+from axoplan.calibrate import profile_writer
 
 from calib_synthetic import write
 
@@ -44,7 +44,7 @@ def test_written_profile_round_trips(tmp_path):
 
 
 def test_written_profile_loads_with_the_planner(tmp_path):
-    machine = pytest.importorskip("axoplan.machine")
+    machine = pytest.importorskip("axoplan.planner.machine")
     out = tmp_path / "synth.yaml"
     profile_writer.write(write(tmp_path / "r"), out)
     prof = machine.load_profile(str(out))

@@ -1,4 +1,4 @@
-"""`axoplan rank | explain | models | profiles` through the real entry point (axoplan.cli.main):
+"""`axoplan rank | explain | models | profiles` through the real entry point (axoplan.cli.main.main):
 output formats parse, --output writes the file, and every error a user can cause is one line
 "error: ..." with exit code 2 and no traceback."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 import axoplan
-from axoplan.cli import main
+from axoplan.cli.main import main
 
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",

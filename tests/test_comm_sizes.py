@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from axoplan.costmodel import comm as C
-from axoplan.machine import load_profile
-from axoplan.rank import explain
-from axoplan.space import Candidates, factorizations4
-from axoplan.specs import LinearShape, ModelSpec
+from axoplan.planner import comm as C
+from axoplan.planner.machine import load_profile
+from axoplan.planner.rank import explain
+from axoplan.planner.space import Candidates, factorizations4
+from axoplan.planner.specs import LinearShape, ModelSpec
 
 GB = 1e9
 US = 1e-6

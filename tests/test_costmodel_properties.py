@@ -12,12 +12,12 @@ from conftest import profile_dict, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axoplan.costmodel import batch as batch_module
-from axoplan.costmodel.batch import evaluate
-from axoplan.machine import GIB, profile_from_dict
-from axoplan.rank import rank
-from axoplan.space import divisibility_masks, enumerate_space
-from axoplan.specs import Job, ModelSpec
+from axoplan.planner import batch as batch_module
+from axoplan.planner.batch import evaluate
+from axoplan.planner.machine import GIB, profile_from_dict
+from axoplan.planner.rank import rank
+from axoplan.planner.space import divisibility_masks, enumerate_space
+from axoplan.planner.specs import Job, ModelSpec
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -151,7 +151,7 @@ def test_every_infeasible_row_has_a_reason_and_memory_is_consistent(job, capacit
     assert np.all(over[mem_rows])
     # a row that breaks no divisibility rule is infeasible exactly when it does not fit
     m = MODELS[mi]
-    from axoplan.space import grid_problem
+    from axoplan.planner.space import grid_problem
     for r in df.itertuples(index=False):
         if grid_problem(m, r.gx, r.gy, r.gz, r.gdata, b, r.micro_batch, s) is None:
             assert r.feasible == (r.memory_gib <= limit_gib * (1 + 1e-12)), r
@@ -172,7 +172,7 @@ def test_run_windows_by_hand():
     max(compute + blocking, next window's all-gather + own reduce-scatter), plus the first all-gather:
     0.5 + A 3 + 2 * (B1 2.1 + B2 3.3) + (B1 2.1 + B2 1.0) + C 1.2 = 18.6.
     Without overlap every window is ag + compute + blocking + rs: 1.5 + 3 * 7.0 + 1.9 = 24.4."""
-    from axoplan.costmodel.batch import Window, run_windows
+    from axoplan.planner.batch import Window, run_windows
 
     def w(name, c, b, ag, rs):
         return Window(name, np.array([c]), np.array([b]), np.array([ag]), np.array([rs]))

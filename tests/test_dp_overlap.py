@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from axoplan.costmodel import batch as B
-from axoplan.costmodel import comm as C
-from axoplan.rank import explain
-from axoplan.space import Candidates
+from axoplan.planner import batch as B
+from axoplan.planner import comm as C
+from axoplan.planner.rank import explain
+from axoplan.planner.space import Candidates
 
 
 def queue_tail(t_end, arrivals, services):
@@ -145,8 +145,8 @@ def test_step_against_its_backward_by_hand(pm, monkeypatch, grid, mb):
 def test_shared_cores_hide_only_eta(monkeypatch):
     """On CPU ranks (localhost-cpu, eta < 1) what runs beside the backward still costs (1 - eta) of itself."""
     monkeypatch.setattr(C, "DP_BUCKET_BYTES", 4)  # every unit its own bucket
-    from axoplan.machine import load_profile
-    from axoplan.specs import Job, load_model
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.specs import Job, load_model
 
     p = load_profile("localhost-cpu")
     assert 0 < p.overlap < 1 and not p.physics.overlap_slowdown
@@ -169,7 +169,7 @@ def test_trainer_launches_each_bucket_inside_the_last_backward(monkeypatch):
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from axoplan.launch import Grid, LaunchConfig, Overlap
+    from axoplan.loop.launch import Grid, LaunchConfig, Overlap
     from axoplan.runtime.dryrun import _fake_world
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Resolved, Trainer
@@ -219,9 +219,9 @@ def test_trainer_launches_each_bucket_inside_the_last_backward(monkeypatch):
 def test_overlap_costs_at_most_the_extra_calls(machine, cap, monkeypatch):
     """Over a whole space: the buckets hide what the last backward covers and never cost more than the
     fixed cost of their extra calls (n_layers + 1 more than the single one), eta 0 to 1 alike."""
-    from axoplan.machine import load_profile
-    from axoplan.space import enumerate_space
-    from axoplan.specs import Job, load_model
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.space import enumerate_space
+    from axoplan.planner.specs import Job, load_model
 
     if cap:
         monkeypatch.setattr(C, "DP_BUCKET_BYTES", cap)

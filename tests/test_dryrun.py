@@ -8,8 +8,8 @@ pytest.importorskip("torch")
 
 from conftest import profile_dict
 
-from axoplan.cli import main
-from axoplan.rank import explain
+from axoplan.cli.main import main
+from axoplan.planner.rank import explain
 from axoplan.runtime.dryrun import compare
 
 GIB = 2**30

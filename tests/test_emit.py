@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from axoplan.cli import main
-from axoplan.launch import (LaunchConfig, config_from_row, launch_env, load_config, nodes_for, slurm_script,
+from axoplan.cli.main import main
+from axoplan.loop.launch import (LaunchConfig, config_from_row, launch_env, load_config, nodes_for, slurm_script,
                             torchrun_script, write_run_dir)
-from axoplan.machine import load_profile
-from axoplan.rank import rank
+from axoplan.planner.machine import load_profile
+from axoplan.planner.rank import rank
 
 
 def run_cli(args, capsys):

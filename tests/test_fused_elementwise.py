@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from axoplan.costmodel.compute import elementwise_work
-from axoplan.machine import load_profile
+from axoplan.planner.compute import elementwise_work
+from axoplan.planner.machine import load_profile
 
 
 def test_fused_block_and_head_by_hand():

@@ -45,7 +45,7 @@ def test_loss_standard_when_disabled_and_mean_over_kept():
     import torch.nn.functional as F
 
     from axoplan.runtime.reference import ReferenceGPT
-    from axoplan.specs import load_model
+    from axoplan.planner.specs import load_model
 
     ref = ReferenceGPT(load_model("gpt-tiny"), seed=1)
     tokens = torch.from_numpy(_text(4 * 33, 7).reshape(4, 33))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from axoplan.costmodel import comm as C
-from axoplan.costmodel import compute as K
-from axoplan.costmodel.batch import overlapped
+from axoplan.planner import comm as C
+from axoplan.planner import compute as K
+from axoplan.planner.batch import overlapped
 from axoplan.errors import UserError
-from axoplan.machine import load_profile, profile_from_dict
-from axoplan.specs import ModelSpec
+from axoplan.planner.machine import load_profile, profile_from_dict
+from axoplan.planner.specs import ModelSpec
 from tests.conftest import profile_dict
 
 US = 1e-6

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from axoplan.errors import UserError
-from axoplan.machine import load_profile
+from axoplan.planner.machine import load_profile
 
 from conftest import profile_dict
 
@@ -343,7 +343,7 @@ def test_the_kind_of_device_is_said_not_guessed(write_profile, tmp_path):
     import yaml
 
     from axoplan.errors import UserError
-    from axoplan.launch import LaunchConfig, is_cpu_profile, slurm_script
+    from axoplan.loop.launch import LaunchConfig, is_cpu_profile, slurm_script
     from conftest import profile_dict
 
     raw = profile_dict(name="gpu-fp32", dtype="fp32")

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import yaml
 
-from axoplan.costmodel import comm as C
-from axoplan.costmodel import compute as K
+from axoplan.planner import comm as C
+from axoplan.planner import compute as K
 from axoplan.errors import UserError
-from axoplan.machine import load_profile, profile_paths
-from axoplan.space import Candidates
-from axoplan.specs import load_model
+from axoplan.planner.machine import load_profile, profile_paths
+from axoplan.planner.space import Candidates
+from axoplan.planner.specs import load_model
 
 # all-reduce on 2 ranks (stride 1): a latency floor, then bandwidth
 AR21 = {8: 1e-4, 1024: 2e-4, 1048576: 4e-3}
@@ -195,7 +195,7 @@ def test_collective_calls_per_micro_batch_counted_by_hand():
 
 
 def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
-    from axoplan.refit import Report, new_profile_dict
+    from axoplan.loop.refit import Report, new_profile_dict
 
     base = tmp_path / "src"
     base.mkdir()
@@ -203,7 +203,7 @@ def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
                     [(1, 1, 64, 8, "true", "forward", 1e-3), (1, 1, 64, 8, "true", "forward_backward", 3e-3)])
     out = tmp_path / "elsewhere" / "new.yaml"
     out.parent.mkdir()
-    from axoplan.refit import PARAMS
+    from axoplan.loop.refit import PARAMS
 
     ident = {k: (0.0 if k.endswith("_s") else 1.0) for k in PARAMS}
     rep = Report([], ident, ident, 1, 1.0, 1.0, 1.0, 1.0, None, None, None, None)
@@ -216,10 +216,10 @@ def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
 def test_no_overlap_efficiency_means_no_overlap(tmp_path):
     """eta 0: a background collective hides nothing, so the overlapped schedule costs what the serial
     one does; eta 1 is the plain max; anything between lies between."""
-    from axoplan.costmodel import batch
-    from axoplan.costmodel.batch import evaluate
-    from axoplan.space import enumerate_space
-    from axoplan.specs import Job
+    from axoplan.planner import batch
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.space import enumerate_space
+    from axoplan.planner.specs import Job
 
     m = load_model("gpt-tiny")
     c = enumerate_space(8, 16, checkpointing="both")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from axoplan.errors import UserError
-from axoplan.memorization import (SUFFIX, RepeatedDocuments, chunk_texts, exact_match, lcs_length, make_documents,
+from axoplan.studies.memorization import (SUFFIX, RepeatedDocuments, chunk_texts, exact_match, lcs_length, make_documents,
                                   rouge_l, score, stdlib_texts, steps_for)
 
 TINY = dict(name="mem-tiny", n_layers=2, hidden=64, n_heads=8, vocab=256, seq_len=64, vocab_multiple=64)
@@ -121,11 +121,11 @@ def _decode_worker(rank, world, port, spec_d, docs, out):
     import torch
     import torch.distributed as dist
 
-    from axoplan.memorization import generate_suffixes, mean_loss
+    from axoplan.studies.memorization import generate_suffixes, mean_loss
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.model import ParallelGPT
     from axoplan.runtime.parallel_linear import Runtime
-    from axoplan.specs import ModelSpec
+    from axoplan.planner.specs import ModelSpec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -154,7 +154,7 @@ def test_parallel_greedy_decoding_and_loss_equal_the_reference(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from axoplan.specs import ModelSpec
+    from axoplan.planner.specs import ModelSpec
 
     spec = ModelSpec(**TINY)
     texts = stdlib_texts()
@@ -181,7 +181,7 @@ def tiny_yaml(tmp_path):
 
 
 def _cli(argv, capsys):
-    from axoplan.cli import main
+    from axoplan.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)

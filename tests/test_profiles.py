@@ -1,5 +1,5 @@
 """The bundled machine profiles: they load, every number has a source, and Perlmutter/Frontier carry
-the AxoNN authors' measured bandwidth table faithfully through axoplan.machine's group lookup."""
+the AxoNN authors' measured bandwidth table faithfully through axoplan.planner.machine's group lookup."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from axoplan.errors import UserError
-from axoplan.machine import load_profile, profile_from_dict, profile_names
+from axoplan.planner.machine import load_profile, profile_from_dict, profile_names
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ("perlmutter", "frontier", "alps", "dgx-h100", "dgx-h200", "dgx-a100")
@@ -140,7 +140,7 @@ def _concrete(spec: str, listed: set[int], gpn: int) -> list[int]:
 
 @pytest.mark.parametrize("machine", ["Perlmutter", "Frontier"])
 def test_group_bandwidth_reproduces_the_authors_table(machine):
-    """axoplan.machine's placed-group lookup (size = the table's group size, stride = ip, the product
+    """axoplan.planner.machine's placed-group lookup (size = the table's group size, stride = ip, the product
     of the axes placed inside) gives every row of the authors' get_bw(ip, my)."""
     prof = load_profile(machine.lower())
     rows = [r for r in TABLE_ROWS if r[0] == machine]

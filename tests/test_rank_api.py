@@ -7,7 +7,7 @@ import pytest
 
 import axoplan
 from axoplan.errors import UserError
-from axoplan.space import distinct_orders, factorizations4, micro_batch_choices
+from axoplan.planner.space import distinct_orders, factorizations4, micro_batch_choices
 
 from conftest import tiny_model
 

@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from axoplan.cli import main
-from axoplan.machine import load_profile
-from axoplan.rank import rank
-from axoplan.refit import PARAMS, choose_params, predict, refit, runs_from_results
-from axoplan.validate import RESULT_COLUMNS, distinct_configs
+from axoplan.cli.main import main
+from axoplan.planner.machine import load_profile
+from axoplan.planner.rank import rank
+from axoplan.loop.refit import PARAMS, choose_params, predict, refit, runs_from_results
+from axoplan.loop.validate import RESULT_COLUMNS, distinct_configs
 
 TRUE = {"gemm_scale": 0.6, "intra_bw_scale": 0.7, "inter_bw_scale": 0.4, "latency_scale": 3.0,
         "step_overhead_s": 2e-4}

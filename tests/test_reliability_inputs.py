@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from axoplan import inputs
 from axoplan.errors import UserError
-from axoplan.launch import config_from_dict
-from axoplan.machine import load_profile
+from axoplan.loop.launch import config_from_dict
+from axoplan.planner.machine import load_profile
 from axoplan.runtime.dist_env import read_env
-from axoplan.specs import load_model
+from axoplan.planner.specs import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = (ROOT / "axoplan/presets/gpt-tiny.yaml").read_text()
@@ -90,7 +90,7 @@ def test_a_gpu_count_with_too_many_factorizations_is_refused_quickly(capsys):
 
 def test_seq_len_zero_is_refused_not_replaced_by_the_models(capsys):
     one_sentence(*run_cli(["rank"] + JOB + ["--seq-len", "0"], capsys)[::2])
-    from axoplan.rank import rank
+    from axoplan.planner.rank import rank
 
     with pytest.raises(UserError, match="--seq-len"):
         rank("gpt-tiny", "localhost-cpu", 2, 4, seq_len=0)
@@ -151,7 +151,7 @@ def test_every_bad_model_file_is_one_sentence_and_fast(tmp_path, capsys):
 
 
 def test_every_bad_file_as_a_profile_or_a_train_config_is_a_user_error(tmp_path):
-    from axoplan.launch import load_config
+    from axoplan.loop.launch import load_config
 
     for name in _files(tmp_path):
         for load in (load_profile, load_config):
@@ -292,7 +292,7 @@ def test_backend_nccl_without_cuda_is_one_sentence():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("CUDA is visible here")
-    from axoplan.cli_train import check_environment
+    from axoplan.cli.train import check_environment
 
     with pytest.raises(UserError, match="nccl needs CUDA"):
         check_environment(config_from_dict({"backend": "nccl", "metrics": None}))
@@ -317,8 +317,8 @@ def test_train_with_rank_a_exits_2(capsys, monkeypatch, tmp_path):
 # ---- refit's results --------------------------------------------------------------------------------
 def results_csv(tmp_path: Path, edit=None, drop: str | None = None) -> Path:
     """A results.csv as validate writes it (two ok runs of gpt-tiny on 2 ranks), optionally edited."""
-    from axoplan.rank import rank
-    from axoplan.validate import RESULT_COLUMNS
+    from axoplan.planner.rank import rank
+    from axoplan.loop.validate import RESULT_COLUMNS
 
     df = rank("gpt-tiny", "localhost-cpu", 2, 4, top=2)
     df = df.assign(candidate=["c0", "c1"], model="gpt-tiny", machine="localhost-cpu", gpus=2, global_batch=4,
@@ -405,7 +405,7 @@ CONFIG_KEYS = list(config_from_dict({}).to_dict())
 @settings(max_examples=150, deadline=None)
 @given(field=st.sampled_from(MODEL_FIELDS), value=st.sampled_from(BAD_VALUES + [2**80, -(2**80), 1.5, "", "gelu"]))
 def test_any_model_field_set_to_nonsense_is_a_model_or_a_user_error(field, value):
-    from axoplan.specs import model_from_dict
+    from axoplan.planner.specs import model_from_dict
 
     d = yaml.safe_load(TINY)
     d[field] = value

@@ -23,7 +23,7 @@ from axoplan.atomic import (
     folder_lock,
     write_files,
 )
-from axoplan.cli import main
+from axoplan.cli.main import main
 
 RANK = ["rank", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2", "--global-batch", "4",
         "--format", "csv"]
@@ -103,12 +103,12 @@ def test_an_output_under_a_file_is_one_sentence(tmp_path, capsys, argv):
 
 
 def test_a_file_system_error_no_command_worded_is_still_one_sentence(capsys, monkeypatch):
-    import axoplan.cli_plan
+    import axoplan.cli.plan
 
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", "/some/where")
 
-    monkeypatch.setattr(axoplan.cli_plan, "rank_api", denied)
+    monkeypatch.setattr(axoplan.cli.plan, "rank_api", denied)
     code, _, err = run_cli(RANK, capsys)
     one_sentence(code, err)
     assert "/some/where" in err

@@ -12,18 +12,18 @@ from conftest import profile_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from axoplan.cli import main
+from axoplan.cli.main import main
 from axoplan.errors import UserError
-from axoplan.launch import (
+from axoplan.loop.launch import (
     LaunchConfig,
     config_from_row,
     launch_env,
     slurm_script,
     torchrun_script,
 )
-from axoplan.machine import load_profile
+from axoplan.planner.machine import load_profile
 from axoplan.shell import comment, quote
-from calibration.slurm import sbatch_script
+from axoplan.calibrate.slurm import sbatch_script
 
 ROW = {"gx": 1, "gy": 1, "gz": 1, "gdata": 2, "order": "xyz", "micro_batch": 2, "checkpointing": False,
        "batch_time_s": 0.1, "compute_s": 0.05, "comm_s": 0.05, "exposed_comm_s": 0.05, "memory_gib": 0.1,

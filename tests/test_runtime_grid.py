@@ -3,10 +3,10 @@ import itertools
 
 import pytest
 
-from axoplan.launch import ORDERS
-from axoplan.space import grid_problem
+from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import grid_problem
 from axoplan.runtime.grid import Coords, coords_of, rank_of
-from axoplan.specs import load_model
+from axoplan.planner.specs import load_model
 
 
 def test_xyz_and_yxz_formulas():

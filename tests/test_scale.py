@@ -7,12 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from axoplan.cli import main
+from axoplan.cli.main import main
 from axoplan.errors import UserError
-from axoplan.machine import load_profile
-from axoplan.scale import (COLUMNS, format_duration, parse_gpus, parse_pairs, parse_tokens, strong_scaling,
+from axoplan.planner.machine import load_profile
+from axoplan.studies.scale import (COLUMNS, format_duration, parse_gpus, parse_pairs, parse_tokens, strong_scaling,
                            weak_scaling)
-from axoplan.specs import load_model
+from axoplan.planner.specs import load_model
 
 INF = 1e30  # bytes/s: "unlimited" bandwidth, finite so that nothing divides inf by inf
 

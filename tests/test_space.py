@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from axoplan.costmodel.batch import evaluate
+from axoplan.planner.batch import evaluate
 from axoplan.errors import UserError
-from axoplan.launch import ORDERS
-from axoplan.space import (distinct_orders, divisibility_masks, divisors, enumerate_space,
+from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import (distinct_orders, divisibility_masks, divisors, enumerate_space,
                            factorizations4, grid_problem, micro_batch_choices, strides)
-from axoplan.specs import Job, ModelSpec
+from axoplan.planner.specs import Job, ModelSpec
 
 from conftest import tiny_model
 

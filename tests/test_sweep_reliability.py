@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from axoplan import validate as V
-from axoplan import validate_proc as P
-from axoplan.cli import main
+from axoplan.loop import validate as V
+from axoplan.loop import validate_proc as P
+from axoplan.cli.main import main
 from axoplan.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def one_sentence(code, err, *words):
 SWEEP_SCRIPT = """
 import sys
 from pathlib import Path
-from axoplan import validate as V
+from axoplan.loop import validate as V
 sw = V.Sweep(model="gpt-tiny", machine=sys.argv[1], gpus=4, global_batch=8, top_k=3, steps=4, warmup_steps=1,
              timeout_s=120.0)
 def launcher(run_dir, gpus):
@@ -420,7 +420,7 @@ def test_collect_with_an_empty_plan_or_no_sweep_is_one_sentence(tmp_path, pm_pat
 def _fake_workers(interrupt: bool, seconds: float):
     """Stand-in for the calibration workers: re-measures attention in the folder it is given (as the
     worker does with --add), then is interrupted half-way or finishes."""
-    from calibration.results_io import ResultsDir
+    from axoplan.calibrate.results_io import ResultsDir
 
     def run(nproc, results, quick, models, device, command, extra, log_path=None, append=False, env_extra=None):
         rd = ResultsDir(results)
@@ -445,7 +445,7 @@ def test_interrupted_calibrate_parts_leaves_the_complete_run_whole(tmp_path, cap
     pytest.importorskip("torch")
     from calib_synthetic import write
 
-    from axoplan import cli_calibrate
+    from axoplan.cli import calibrate as cli_calibrate
 
     results = tmp_path / "r"
     write(results)
@@ -465,7 +465,7 @@ def test_interrupted_calibrate_parts_leaves_the_complete_run_whole(tmp_path, cap
     monkeypatch.setattr(cli_calibrate, "_run_workers", _fake_workers(interrupt=False, seconds=2e-3))
     code, _, err = cli(capsys, *args)
     assert code == 0, err
-    from calibration.results_io import ResultsDir
+    from axoplan.calibrate.results_io import ResultsDir
 
     rd = ResultsDir(results)
     assert rd.meta()["status"] == "complete" and rd.meta()["part_dates"] == {"attention": "2026-12-01T00:00:00Z"}
@@ -478,7 +478,7 @@ def test_a_failed_whole_calibration_keeps_the_earlier_complete_run(tmp_path, cap
     pytest.importorskip("torch")
     from calib_synthetic import write
 
-    from axoplan import cli_calibrate
+    from axoplan.cli import calibrate as cli_calibrate
     from axoplan.errors import UserError as UE
 
     results = tmp_path / "r"
@@ -518,7 +518,7 @@ def test_calibrate_is_one_at_a_time_and_ends_workers_a_killed_one_left(tmp_path,
     pytest.importorskip("torch")
     from calib_synthetic import write
 
-    from axoplan import cli_calibrate
+    from axoplan.cli import calibrate as cli_calibrate
 
     results = tmp_path / "r"
     write(results)

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from axoplan import validate as V
-from axoplan.cli import main
+from axoplan.loop import validate as V
+from axoplan.cli.main import main
 from axoplan.errors import UserError
 
 

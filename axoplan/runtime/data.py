@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from axoplan.errors import UserError
 
 
 def local_indices(global_batch: int, gdata: int, gz: int, d: int, z: int) -> np.ndarray:

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..errors import UserError
+from axoplan.errors import UserError
 
 
 @dataclass(frozen=True)

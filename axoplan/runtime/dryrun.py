@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..launch import LaunchConfig
-from .grid import build_grid
-from .memtrace import KINDS, MemoryTracer
-from .train import DTYPES, Resolved, Trainer
+from axoplan.loop.launch import LaunchConfig
+from axoplan.runtime.grid import build_grid
+from axoplan.runtime.memtrace import KINDS, MemoryTracer
+from axoplan.runtime.train import DTYPES, Resolved, Trainer
 
 
 @dataclass
@@ -86,12 +86,12 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     """Trace the configuration and put the planner's prediction beside it: peak memory per GPU by
     kind and every collective of the step by (layer, kind, axis). Unset micro-batch or checkpointing:
     the planner's fastest choice for this grid, as `axoplan explain` takes it."""
-    from ..costmodel.memory import KIND_NAMES
-    from ..costmodel.memory import KINDS as MODEL_KINDS
-    from ..errors import UserError
-    from ..launch import Grid, Overlap
-    from ..machine import GIB
-    from ..rank import explain
+    from axoplan.planner.memory import KIND_NAMES
+    from axoplan.planner.memory import KINDS as MODEL_KINDS
+    from axoplan.errors import UserError
+    from axoplan.loop.launch import Grid, Overlap
+    from axoplan.planner.machine import GIB
+    from axoplan.planner.rank import explain
 
     ex = explain(model, machine, gpus, global_batch, grid, order=order, seq_len=seq_len, micro_batch=micro_batch,
                  checkpointing=checkpointing, overlap=overlap)
@@ -111,7 +111,7 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap, data_parallel=overlap)
     cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=traced_batch,
                        micro_batch=mb, seq_len=seq_len, checkpointing=ck, overlap=ov, metrics=None)
-    from ..machine import load_profile
+    from axoplan.planner.machine import load_profile
 
     prof = load_profile(machine)
     dtype = "bf16" if prof.dtype_bytes == 2 else "fp32"

@@ -15,17 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..specs import ModelSpec
-from .loss import vocab_parallel_cross_entropy
-from .norm import sharded_norm
-from .parallel_linear import (
+from axoplan.planner.specs import ModelSpec
+from axoplan.runtime.loss import vocab_parallel_cross_entropy
+from axoplan.runtime.norm import sharded_norm
+from axoplan.runtime.parallel_linear import (
     LinearSpec,
     Runtime,
     ShardedWeight,
     parallel_embedding,
     parallel_linear,
 )
-from .reference import (
+from axoplan.runtime.reference import (
     apply_rope,
     attention,
     full_param_shapes,
@@ -161,11 +161,11 @@ class ParallelGPT:
 
     def grad_buckets(self, cap_bytes: int | None = None) -> list[tuple[list[ShardedWeight], torch.Tensor]]:
         """The buckets of the overlapped data-parallel all-reduce, as the cost model counts them
-        (costmodel.comm.gradient_buckets): units in the order the backward makes them final (the LM
+        (planner.comm.gradient_buckets): units in the order the backward makes them final (the LM
         head, each block's four weights from the last block, the embedding), filled greedily until a
         bucket holds cap_bytes (DP_BUCKET_BYTES) of fp32 gradient. Each bucket is its weights and the
         contiguous slice of grad_buffer their shards occupy (the buffer holds them in forward order)."""
-        from ..costmodel.comm import DP_BUCKET_BYTES, FP32
+        from axoplan.planner.comm import DP_BUCKET_BYTES, FP32
 
         cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
         w, n = self.weights, self.spec.n_layers

@@ -177,7 +177,7 @@ class OpCounter(TorchDispatchMode):
 
 def count_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True) -> OpCounter:
     """The steady training step of cfg, as rank 0 of its grid under `axoplan dryrun`'s fake world."""
-    from .dryrun import trace_step
+    from axoplan.runtime.dryrun import trace_step
 
     counter = OpCounter()
     trace_step(cfg, dtype, modes=(counter,), fused_optimizer=fused_optimizer)
@@ -188,9 +188,9 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
     """The cost model's element-wise work of the same step, per phase: {phase: compute.Work}. fake: as
     count_step sees it, without the step's two host reads of its metrics (a fake tensor holds no value,
     so Trainer._item dispatches nothing)."""
-    from ..costmodel import compute as K
-    from ..costmodel.comm import shard_elems
-    from ..specs import load_model
+    from axoplan.planner import compute as K
+    from axoplan.planner.comm import shard_elems
+    from axoplan.planner.specs import load_model
 
     spec = load_model(cfg.model)
     g = cfg.grid

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .blas_tuning import GemmTuner
-from .grid import ParallelGrid
+from axoplan.runtime.blas_tuning import GemmTuner
+from axoplan.runtime.grid import ParallelGrid
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -13,8 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..specs import ModelSpec
-from .goldfish import goldfish_keep
+from axoplan.planner.specs import ModelSpec
+from axoplan.runtime.goldfish import goldfish_keep
 
 NORM_EPS = 1e-5
 

@@ -22,17 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..launch import Goldfish, Grid, LaunchConfig, Overlap
-from ..specs import ModelSpec
-from .data import SyntheticText
-from .grid import build_grid
-from .reference import (
+from axoplan.loop.launch import Goldfish, Grid, LaunchConfig, Overlap
+from axoplan.planner.specs import ModelSpec
+from axoplan.runtime.data import SyntheticText
+from axoplan.runtime.grid import build_grid
+from axoplan.runtime.reference import (
     ReferenceGPT,
     init_full_params,
     reference_optimizer,
     reference_step,
 )
-from .train import Resolved, Trainer
+from axoplan.runtime.train import Resolved, Trainer
 
 # gpt-tiny's shapes with a vocabulary that needs padding (200 -> 256), so the masking is exercised
 TINY = ModelSpec(name="tiny-test", n_layers=2, hidden=64, n_heads=8, vocab=200, seq_len=64, vocab_multiple=64)

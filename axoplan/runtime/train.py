@@ -20,18 +20,18 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..atomic import append_line, atomic_write_bytes
-from ..errors import UserError
-from ..launch import LaunchConfig
-from ..space import grid_problem
-from ..specs import ModelSpec, load_model
-from .data import local_indices, open_source
-from .dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
-from .goldfish import goldfish_keep
-from .grid import ParallelGrid, build_grid
-from .model import ParallelGPT
-from .parallel_linear import Runtime
-from .reference import decays
+from axoplan.atomic import append_line, atomic_write_bytes
+from axoplan.errors import UserError
+from axoplan.loop.launch import LaunchConfig
+from axoplan.planner.space import grid_problem
+from axoplan.planner.specs import ModelSpec, load_model
+from axoplan.runtime.data import local_indices, open_source
+from axoplan.runtime.dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
+from axoplan.runtime.goldfish import goldfish_keep
+from axoplan.runtime.grid import ParallelGrid, build_grid
+from axoplan.runtime.model import ParallelGPT
+from axoplan.runtime.parallel_linear import Runtime
+from axoplan.runtime.reference import decays
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,7 +56,7 @@ def peak_tflops(cfg: LaunchConfig) -> float | None:
     if not cfg.machine:
         return None
     try:
-        from ..machine import load_profile
+        from axoplan.planner.machine import load_profile
     except ImportError:
         return None
     return float(load_profile(cfg.machine).peak_tflops)

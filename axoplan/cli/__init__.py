@@ -1,0 +1,1 @@
+"""The `axoplan` command: main.py assembles the groups; one module per command group."""

@@ -1,0 +1,188 @@
+"""`axoplan emit | validate | refit`: the commands that close the loop from prediction to a running job
+and back to the profile. No torch here: runs are started as subprocesses."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from axoplan import inputs
+from axoplan.cli.plan import parse_grid
+from axoplan.errors import UserError
+from axoplan.loop.launch import ORDERS
+
+
+def _job_options(f):
+    f = click.option("--model", "-m", type=inputs.TEXT, help="Preset name (axoplan models) or model YAML path.")(f)
+    f = click.option("--machine", "-p", type=inputs.TEXT,
+                     help="Profile name (axoplan profiles) or profile YAML path.")(f)
+    f = click.option("--gpus", "-g", type=inputs.GPUS, help="Number of GPUs (processes on CPU).")(f)
+    f = click.option("--global-batch", "-b", type=inputs.GLOBAL_BATCH, help="Global batch in sequences.")(f)
+    f = click.option("--seq-len", "-s", type=inputs.SEQ_LEN, default=None,
+                     help="Sequence length (default: the model's).")(f)
+    return f
+
+
+def _require(**kw):
+    missing = [k for k, v in kw.items() if v is None]
+    if missing:
+        raise UserError("missing option(s) " + ", ".join("--" + m.replace("_", "-") for m in missing))
+
+
+def _command_line() -> str:
+    return "axoplan " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+# ---- emit -------------------------------------------------------------------------------------------
+def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None = None, grid=None, order=None,
+           micro_batch=None, checkpointing="both"):
+    """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
+    row of one grid (and order). The runner-up is the best row with another grid or order."""
+    from axoplan.planner.rank import rank
+    from axoplan.loop.validate import distinct_configs
+
+    df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
+              checkpointing=checkpointing)
+    rows = df.to_dict("records")
+    if grid is not None:
+        gx, gy, gz, gd = grid
+        if gx * gy * gz * gd != gpus:
+            raise UserError(f"--grid {gx},{gy},{gz},{gd} multiplies to {gx * gy * gz * gd}, not --gpus {gpus}")
+        same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
+                and (order is None or r["order"] == order)]
+        if not same:
+            from axoplan.planner.rank import explain
+
+            ex = explain(model, machine, gpus, global_batch, grid, order=order or "xyz", seq_len=seq_len,
+                         micro_batch=micro_batch,
+                         checkpointing=None if checkpointing == "both" else checkpointing == "on")
+            reason = ex.summary["reason"][0]
+            if reason:
+                raise UserError(f"grid {gx},{gy},{gz},{gd} (order {order or 'xyz'}) is not feasible: {reason}")
+            # an order equivalent to one already listed (axes of size 1 take no place): use that row
+            same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)]
+            if not same:
+                raise UserError(f"grid {gx},{gy},{gz},{gd} is not among the ranked configurations")
+        chosen = dict(same[0])
+        if order is not None:
+            chosen["order"] = order  # the equivalent placement the user asked for, by its name
+    else:
+        k = 1 if rank_k is None else rank_k  # --rank 0 is a mistake, not the first row
+        if k <= 0:
+            raise UserError(f"--rank must be a positive integer, got {k}")
+        if k > len(rows):
+            raise UserError(f"--rank {k}: only {len(rows)} feasible configurations exist")
+        chosen = rows[k - 1]
+    key = (chosen["gx"], chosen["gy"], chosen["gz"], chosen["gdata"], chosen["order"])
+    others = [r for r in distinct_configs(df).to_dict("records")
+              if (r["gx"], r["gy"], r["gz"], r["gdata"], r["order"]) != key]
+    return chosen, (others[0] if others else None), df.attrs
+
+
+@click.command("emit")
+@_job_options
+@click.option("--rank", "rank_k", type=inputs.Count(1), default=None,
+              help="Emit the K-th ranked configuration (default 1).")
+@click.option("--grid", default=None, help="Emit this grid GX,GY,GZ,GDATA instead (its best micro-batch).")
+@click.option("--order", default=None, type=click.Choice(list(ORDERS)), help="Placement order with --grid.")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
+@click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
+@click.option("--steps", type=inputs.STEPS, default=10, show_default=True, help="Training steps in the emitted config.")
+@click.option("--warmup", type=inputs.Count(0, inputs.MAX_STEPS), default=2, show_default=True,
+              help="Steps left out of the summary's median.")
+@click.option("--out", "-o", "out", required=True, type=inputs.SafePath(file_okay=False),
+              help="Run directory to write.")
+def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro_batch, checkpointing, steps,
+         warmup, out):
+    """Write DIR/config.yaml, DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and DIR/README.txt for
+    the best (or --rank K, or --grid) configuration."""
+    from axoplan.loop.launch import config_from_row, write_run_dir
+    from axoplan.planner.machine import load_profile
+
+    _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
+    if grid is not None and rank_k is not None:
+        raise UserError("give either --rank or --grid, not both")
+    if order is not None and grid is None:
+        raise UserError("--order goes with --grid (a ranked row has its own order)")
+    if steps <= 0 or warmup < 0:
+        raise UserError(f"--steps must be positive and --warmup non-negative, got {steps} and {warmup}")
+    g = parse_grid(grid) if grid is not None else None
+    chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
+                                      checkpointing)
+    profile = load_profile(machine)
+    machine_ref = str(Path(profile.path).resolve()) if profile.path else machine
+    cfg = config_from_row(chosen, model, global_batch, seq_len, machine=machine_ref, steps=steps,
+                          warmup_steps=min(warmup, steps - 1))
+    files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
+                          candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
+    click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "
+               f"micro-batch {cfg.micro_batch}, checkpointing {'on' if cfg.checkpointing else 'off'}: "
+               f"predicted {chosen['batch_time_s']:.4g} s per batch, {chosen['memory_gib']:.3g} GiB per GPU")
+    for p in files.values():
+        click.echo(f"wrote {p}")
+    click.echo(f"run it: bash {shlex.quote(str(Path(out) / 'launch_torchrun.sh'))}")
+
+
+# ---- validate ---------------------------------------------------------------------------------------
+@click.command("validate")
+@_job_options
+@click.option("--top-k", "-k", type=int, default=5, show_default=True, help="Run the K best distinct grids/orders.")
+@click.option("--all", "run_all", is_flag=True, help="Run every feasible grid and order.")
+@click.option("--steps", type=int, default=10, show_default=True, help="Training steps per run.")
+@click.option("--warmup", type=int, default=3, show_default=True, help="Steps left out of the median.")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Passes over the candidates (round robin); each candidate's time is the median of its runs.")
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+              help="Seconds before a run is killed and recorded as timeout.")
+@click.option("--micro-batch", type=int, default=None, help="Fix the micro-batch size of every candidate.")
+@click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
+@click.option("--out", "-o", "out", default="validate-out", show_default=True, type=click.Path(file_okay=False))
+@click.option("--resume", is_flag=True, help="Continue the sweep in --out, skipping recorded candidates.")
+@click.option("--slurm", is_flag=True, help="Write a Slurm job array of the candidates instead of running them.")
+@click.option("--collect", "collect_dir", default=None, type=click.Path(file_okay=False),
+              help="Score a --slurm sweep's runs in this folder.")
+def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
+             micro_batch, checkpointing, out, resume, slurm, collect_dir):
+    """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
+    from axoplan.loop import validate as V
+
+    if collect_dir is not None:
+        if not Path(collect_dir).is_dir():
+            raise UserError(f"--collect: '{collect_dir}' is not a folder")
+        V.collect(collect_dir, echo=click.echo)
+        return
+    _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
+    sw = V.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
+                 top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
+                 micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)
+    if slurm:
+        path = V.write_slurm_array(sw, out)
+        click.echo(f"wrote {path} and one run directory per candidate under {Path(out) / 'runs'}")
+        click.echo(f"submit: sbatch {shlex.quote(str(path))}; then: axoplan validate --collect {shlex.quote(str(out))}")
+        return
+    V.run_sweep(sw, out, resume=resume, echo=click.echo)
+
+
+# ---- refit ------------------------------------------------------------------------------------------
+@click.command("refit")
+@click.option("--results", "-r", required=True, type=inputs.SafePath(dir_okay=False),
+              help="results.csv of axoplan validate.")
+@click.option("--machine", "-p", required=True, type=inputs.TEXT, help="The profile to correct (name or YAML path).")
+@click.option("--out", "-o", "out", required=True, type=inputs.SafePath(dir_okay=False),
+              help="New profile YAML to write.")
+@click.option("--params", default="auto", show_default=True,
+              help="Corrections to fit, comma-separated (gemm_scale, elementwise_scale, intra_bw_scale, "
+                   "inter_bw_scale, latency_scale, kernel_overhead_scale, step_overhead_s, "
+                   "collective_overhead_s, overlap_efficiency), or auto.")
+@click.option("--no-loo", is_flag=True, help="Skip the leave-one-out check.")
+def refit(results, machine, out, params, no_loo):
+    """Fit the profile's corrections to measured runs; report error before, after and leave-one-out."""
+    from axoplan.loop.refit import format_report
+    from axoplan.loop.refit import refit as refit_api
+
+    ps = "auto" if params.strip() == "auto" else [p.strip() for p in params.split(",") if p.strip()]
+    r = refit_api(results, machine, out, ps, loo=not no_loo)
+    click.echo(format_report(r))
+    click.echo(f"wrote {out}")

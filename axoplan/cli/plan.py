@@ -1,0 +1,223 @@
+"""`axoplan models | profiles | rank | explain`: the planner's commands (no torch)."""
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import click
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from axoplan import inputs
+from axoplan.atomic import atomic_write_text
+from axoplan.errors import UserError
+from axoplan.loop.launch import ORDERS
+from axoplan.planner.machine import load_profile, profile_paths
+from axoplan.planner.rank import COLUMNS
+from axoplan.planner.rank import explain as explain_api
+from axoplan.planner.rank import rank as rank_api
+from axoplan.planner.specs import load_model, preset_names
+
+
+def _console(buf: io.StringIO | None = None) -> Console:
+    if buf is not None:
+        return Console(file=buf, width=160, color_system=None, highlight=False)
+    import sys
+
+    # piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column fallback
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        atomic_write_text(output, text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=not text.endswith("\n"))
+
+
+def _render(renderables) -> str:
+    buf = io.StringIO()
+    con = _console(buf)
+    for r in renderables:
+        con.print(r)
+    return buf.getvalue()
+
+
+@click.command("models")
+def models():
+    """List the bundled model presets."""
+    t = Table(title="model presets (--model NAME, or a YAML path)")
+    for col in ("name", "params", "layers", "hidden", "heads", "kv", "ffn", "vocab", "seq", "mlp", "description"):
+        t.add_column(col)
+    for n in preset_names():
+        m = load_model(n)
+        p = m.n_params
+        params = f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.2f}M"
+        t.add_row(n, params, str(m.n_layers), str(m.hidden), str(m.n_heads), str(m.kv_heads), str(m.ffn),
+                  str(m.vocab), str(m.seq_len), m.mlp, m.description)
+    _console().print(t)
+
+
+@click.command("profiles")
+def profiles():
+    """List the bundled machine profiles."""
+    t = Table(title="machine profiles (--machine NAME, or a YAML path)")
+    for col in ("name", "device", "GPUs/node", "memory GiB", "peak TFLOP/s", "GEMM ceiling", "GEMM table",
+                "intra busbw GB/s", "inter busbw GB/s", "path"):
+        t.add_column(col)
+    for name, path in sorted(profile_paths().items()):
+        try:
+            p = load_profile(str(path))
+        except UserError as e:
+            t.add_row(name, "(invalid)", "", "", "", "", "", "", "", str(e))
+            continue
+        intra = ", ".join(f"{s}@{st}:{bw / 1e9:.0f}" for s, st, bw in p.intra_groups)
+        t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.4g}",
+                  f"{p.gemm_ceiling / 1e12:.4g}", "yes" if p.gemm_table is not None else "curve", intra,
+                  f"{p.inter_busbw / 1e9:.1f}", str(path))
+    _console().print(t)
+
+
+def _common(f):
+    f = click.option("--model", "-m", required=True, type=inputs.TEXT,
+                     help="Preset name (axoplan models) or model YAML path.")(f)
+    f = click.option("--machine", "-p", required=True, type=inputs.TEXT,
+                     help="Profile name (axoplan profiles) or profile YAML path.")(f)
+    f = click.option("--gpus", "-g", required=True, type=inputs.GPUS, help="Number of GPUs.")(f)
+    f = click.option("--global-batch", "-b", required=True, type=inputs.GLOBAL_BATCH,
+                     help="Global batch in sequences.")(f)
+    f = click.option("--seq-len", "-s", type=inputs.SEQ_LEN, default=None,
+                     help="Sequence length (default: the model's).")(f)
+    f = click.option("--no-overlap", is_flag=True, help="Model the trainer with OAR/ORS/OAG off.")(f)
+    return f
+
+
+def _table(df: pd.DataFrame, title: str) -> Table:
+    t = Table(title=title)
+    cols = ["rank", "gx x gy x gz x gdata", "order", "mbs", "ckpt", "batch s", "compute s", "exposed comm s",
+            "mem GiB", "TFLOP/s/GPU", "% peak"]
+    if not df["feasible"].all():
+        cols.append("reason")
+    for col in cols:
+        t.add_column(col, justify="right" if col not in ("order", "reason") else "left")
+    for r in df.itertuples(index=False):
+        row = ["-" if pd.isna(r.rank) else str(r.rank), f"{r.gx} x {r.gy} x {r.gz} x {r.gdata}", r.order,
+               str(r.micro_batch), "on" if r.checkpointing else "off", f"{r.batch_time_s:.4g}", f"{r.compute_s:.4g}",
+               f"{r.exposed_comm_s:.4g}", f"{r.memory_gib:.1f}", f"{r.tflops_per_gpu:.1f}", f"{r.pct_of_peak:.1f}"]
+        if "reason" in cols:
+            row.append(r.reason)
+        t.add_row(*row)
+    return t
+
+
+def _format(df: pd.DataFrame, fmt: str) -> str:
+    if fmt == "csv":
+        return df[COLUMNS].to_csv(index=False)
+    recs = json.loads(df[COLUMNS].to_json(orient="records"))
+    return json.dumps(recs, indent=1) + "\n"
+
+
+@click.command("rank")
+@_common
+@click.option("--top", "-k", type=inputs.Count(1), default=10, show_default=True, help="Show the best K feasible configurations.")
+@click.option("--all", "show_all", is_flag=True, help="Every candidate, infeasible ones too (with their reason).")
+@click.option("--order", default="all", show_default=True, type=click.Choice(list(ORDERS) + ["all"]),
+              help="Placement order of x, y, z, innermost first (data is outermost).")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size (sequences per GPU).")
+@click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None, help="Write to this file (atomically).")
+def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all, order, micro_batch, checkpointing,
+         fmt, output):
+    """Rank every 4D configuration (gx, gy, gz, gdata, order, micro-batch, checkpointing)."""
+    if top is not None and top <= 0:
+        raise UserError(f"--top must be a positive integer, got {top}")
+    t0 = time.perf_counter()
+    df = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
+                  include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,
+                  checkpointing=checkpointing)
+    dt = time.perf_counter() - t0
+    if fmt != "table":
+        _emit(_format(df, fmt), output)
+        return
+    m, p = load_model(model), load_profile(machine)
+    title = (f"{m.name} on {gpus} x {p.name} GPUs, global batch {global_batch} x "
+             f"{seq_len if seq_len is not None else m.seq_len} tokens: "
+             f"{df.attrs['candidates']} candidates, {df.attrs['feasible']} feasible, ranked in {dt * 1e3:.0f} ms")
+    parts = [_table(df, title)]
+    if df.attrs.get("extrapolated_gemms"):
+        parts.append(f"note: {df.attrs['extrapolated_gemms']} listed configurations use GEMM shapes outside the "
+                     f"profile's measured table (extrapolated)")
+    if no_overlap:
+        parts.append("overlap (OAR/ORS/OAG) modelled as off")
+    _emit(_render(parts), output)
+
+
+def parse_grid(grid: str) -> tuple[int, int, int, int]:
+    try:
+        vals = tuple(inputs.count(v, "--grid", 1, inputs.MAX_GPUS) for v in grid.split(","))
+    except UserError:
+        vals = ()
+    if len(vals) != 4:
+        raise UserError(f"--grid must be four positive integers GX,GY,GZ,GDATA (each at most {inputs.MAX_GPUS:,}), "
+                        f"got '{grid}'")
+    return vals
+
+
+def one_config(f):
+    """The options of commands about one configuration (explain, dryrun), on top of _common's."""
+    for opt in reversed((
+            click.option("--grid", required=True, help="GX,GY,GZ,GDATA"),
+            click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS))),
+            click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None,
+                         help="Default: the fastest feasible for this grid."),
+            click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best",
+                         show_default=True),
+            click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True),
+            click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None))):
+        f = opt(f)
+    return _common(f)
+
+
+@click.command("explain")
+@one_config
+def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
+            output):
+    """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""
+    ck = None if checkpointing == "best" else checkpointing == "on"
+    ex = explain_api(model, machine, gpus, global_batch, parse_grid(grid), order=order, seq_len=seq_len,
+                     micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap)
+    if fmt == "json":
+        out = {"summary": json.loads(ex.summary[COLUMNS].to_json(orient="records"))[0],
+               "collectives": json.loads(ex.collectives.to_json(orient="records")),
+               "windows": json.loads(ex.windows.to_json(orient="records")),
+               "memory": json.loads(ex.memory.to_json(orient="records")), "notes": ex.notes}
+        _emit(json.dumps(out, indent=1) + "\n", output)
+        return
+    parts = [_table(ex.summary, "configuration")]
+    t = Table(title="collectives per step (time per call from bytes / bus bandwidth + latency)")
+    for col in ("layer", "phase", "collective", "axis", "group", "stride", "MiB/call", "busbw GB/s", "ms/call",
+                "calls", "total s"):
+        t.add_column(col, justify="left" if col in ("layer", "phase", "collective", "axis") else "right")
+    for r in ex.collectives.itertuples(index=False):
+        t.add_row(r.layer, r.phase, r.collective, r.axis, str(r.group_size), str(r.stride), f"{r.bytes / 2**20:.3g}",
+                  f"{r.busbw_gbs:.1f}", f"{r.time_per_call_s * 1e3:.3g}", str(r.calls_per_step), f"{r.total_s:.4g}")
+    parts.append(t)
+    w = Table(title="layer windows per step (compute vs window time; the difference is exposed communication)")
+    for col in ("pass", "layer", "x per micro-batch", "compute s", "window s", "exposed comm s"):
+        w.add_column(col, justify="left" if col in ("pass", "layer") else "right")
+    for r in ex.windows.itertuples(index=False):
+        w.add_row(r._0 if hasattr(r, "_0") else r[0], r.layer, str(r.count_per_micro_batch), f"{r.compute_s:.4g}",
+                  f"{r.window_s:.4g}", f"{r.exposed_comm_s:.4g}")
+    parts.append(w)
+    mtab = Table(title="memory per GPU")
+    mtab.add_column("kind")
+    mtab.add_column("GiB", justify="right")
+    for r in ex.memory.itertuples(index=False):
+        mtab.add_row(r.kind, f"{r.gib:.2f}")
+    parts.append(mtab)
+    parts += [f"note: {n}" for n in ex.notes]
+    _emit(_render(parts), output)

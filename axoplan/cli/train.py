@@ -1,0 +1,62 @@
+"""`axoplan train`: run the bundled 4D trainer on one LaunchConfig (under torchrun, srun, or alone
+for a world of one). torch is imported only inside the command."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from axoplan.errors import UserError
+from axoplan.inputs import SafePath
+
+
+def check_environment(cfg) -> None:
+    """What the config asks of this machine, checked on every rank before any process group: the
+    metrics file can be written, and NCCL has a GPU."""
+    from axoplan.atomic import check_writable
+
+    if cfg.metrics:
+        check_writable(cfg.metrics, "metrics file")
+    if cfg.save:
+        check_writable(cfg.save, "save file")
+    if cfg.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("config: backend nccl needs CUDA GPUs and none is visible here; "
+                            "use backend: gloo (or auto) on CPU")
+
+
+@click.command("train")
+@click.option("--config", "config_path", type=SafePath(dir_okay=False), help="Run config YAML (a LaunchConfig).")
+@click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
+def train(config_path, print_config):
+    """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
+    from axoplan.loop.launch import example_config_yaml, load_config
+
+    if print_config:
+        click.echo(example_config_yaml(), nl=False)
+        return
+    if not config_path:
+        raise UserError("give a run config with --config run.yaml (see 'axoplan train --print-config')")
+    from axoplan.runtime.dist_env import read_env
+
+    de = read_env()
+    try:
+        cfg = load_config(config_path)
+        from axoplan.runtime.train import check_config  # imports torch: after the cheap checks
+
+        check_config(cfg, de.world_size)
+        check_environment(cfg)
+    except UserError:
+        # every rank read the same config and failed the same way: one sentence from rank 0 only,
+        # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)
+        if de.rank != 0:
+            # torchrun stops all ranks when the first one exits: give rank 0 time to print
+            time.sleep(3)
+            sys.exit(2)
+        raise
+    from axoplan.runtime.train import run
+
+    run(cfg)

@@ -1,0 +1,465 @@
+"""`axoplan refit`: fit a few of the profile's documented corrections (machine.Corrections) to measured
+runs, by re-evaluating the planner on the measured configurations with candidate corrections.
+
+The fit is least squares on log(predicted / measured), so every run counts by its relative error,
+over bounded parameters: the multiplicative scales in log space (1/20 .. 20), the fixed overheads
+in seconds (0 .. the fastest measured step), the overlap efficiency in 0 .. 1. Which corrections are
+fitted ("auto"): among those the measured runs can tell apart (choose_params), the subset the
+Bayesian information criterion prefers (select_params); the leave-one-out error, never used to
+choose, then says honestly how well the fit generalises. The result is a NEW
+profile whose `corrections` section names the refit; the old profile is never touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from axoplan.errors import UserError
+from axoplan.loop.launch import ORDERS
+from axoplan.planner.machine import Corrections, MachineProfile, load_profile
+
+SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",
+                "kernel_overhead_scale")
+ADD_PARAMS = ("step_overhead_s", "collective_overhead_s")
+UNIT_PARAMS = ("overlap_efficiency",)  # shares, bounded to [0, 1]
+PARAMS = SCALE_PARAMS + ADD_PARAMS + UNIT_PARAMS
+DOC = {
+    "gemm_scale": "multiplies GEMM and attention throughput",
+    "elementwise_scale": "multiplies element-wise (memory-bound) bandwidth",
+    "intra_bw_scale": "multiplies intra-node collective bandwidth",
+    "inter_bw_scale": "multiplies inter-node collective bandwidth",
+    "latency_scale": "multiplies per-ring-step collective latency",
+    "step_overhead_s": "fixed seconds added to every step (Python, optimizer launch, barriers)",
+    "kernel_overhead_scale": "multiplies the per-kernel launch cost",
+    "collective_overhead_s": "fixed seconds added to every collective call (dispatch, ranks arriving late)",
+    "overlap_efficiency": "share of a background collective that hides behind the trainer's compute",
+}
+LOG_BOUND = np.log(20.0)
+
+
+@dataclass
+class RunSet:
+    """Measured runs grouped by job, each group evaluated in one vectorised call."""
+
+    groups: list  # (ModelSpec, Job, Candidates, positions into `measured`)
+    measured: np.ndarray
+    labels: list
+
+    def __len__(self) -> int:
+        return len(self.measured)
+
+    def subset(self, keep: np.ndarray) -> RunSet:
+        keep = np.asarray(keep)
+        pos = np.nonzero(keep)[0] if keep.dtype == bool else keep
+        remap = -np.ones(len(self.measured), dtype=np.int64)
+        remap[pos] = np.arange(len(pos))
+        groups = []
+        for m, job, c, idx in self.groups:
+            sel = np.nonzero(remap[idx] >= 0)[0]
+            if len(sel):
+                groups.append((m, job, c.take(sel), remap[idx[sel]]))
+        return RunSet(groups, self.measured[pos], [self.labels[i] for i in pos])
+
+
+def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
+    """The runs of a validate results table that finished ok, as planner candidates."""
+    from axoplan.planner.space import Candidates
+    from axoplan.planner.specs import Job, load_model
+
+    need = {"model", "gpus", "global_batch", "seq_len", "gx", "gy", "gz", "gdata", "order", "micro_batch",
+            "checkpointing", "measured_time_s", "status"}
+    missing = sorted(need - set(df.columns))
+    if missing:
+        raise UserError(f"{where} lacks column(s) {', '.join(missing)} (write it with `axoplan validate`)")
+    ok = df[df["status"] == "ok"].reset_index(drop=True)
+    if len(ok) == 0:
+        raise UserError(f"{where} has no run that finished ok: nothing to fit")
+    seqs = _check_rows(ok, where)
+    groups = []
+    key = pd.Series([f"{m}\0{int(g)}\0{int(b)}\0{s}" for m, g, b, s in
+                     zip(ok["model"], ok["gpus"], ok["global_batch"], seqs)], index=ok.index)
+    for _, g in ok.groupby(key, sort=False):
+        first = g.iloc[0]
+        m = load_model(str(first["model"]))
+        seq = seqs[g.index[0]]
+        job = Job(int(first["gpus"]), int(first["global_batch"]), seq or m.seq_len).validate()
+        order_idx = np.array([ORDERS.index(o) for o in g["order"]], dtype=np.int8)
+        c = Candidates(*(g[k].to_numpy(np.int64) for k in ("gx", "gy", "gz", "gdata")), order_idx,
+                       g["micro_batch"].to_numpy(np.int64), g["checkpointing"].to_numpy(bool))
+        groups.append((m, job, c, g.index.to_numpy()))
+    labels = list(ok["candidate"]) if "candidate" in ok else [str(i) for i in range(len(ok))]
+    return RunSet(groups, ok["measured_time_s"].to_numpy(float), labels)
+
+
+def _check_rows(ok: pd.DataFrame, where: str) -> list:
+    """Every ok row must describe a run the planner can evaluate: whole positive counts within the
+    planner's bounds, a grid that multiplies to its GPU count, a finite positive measured time.
+    A row that does not is refused (never silently fitted or dropped). Returns the rows' seq_len (None: the model's)."""
+    from axoplan import inputs
+
+    seqs = []
+    for i, r in ok.iterrows():
+        label = f"{where}, run {r.get('candidate', i)}"
+        try:
+            gpus = inputs.count(_num(r["gpus"]), "gpus", 1, inputs.MAX_GPUS)
+            inputs.count(_num(r["global_batch"]), "global_batch", 1, inputs.MAX_GLOBAL_BATCH)
+            grid = [inputs.count(_num(r[k]), k, 1, inputs.MAX_GPUS) for k in ("gx", "gy", "gz", "gdata")]
+            inputs.count(_num(r["micro_batch"]), "micro_batch", 1, inputs.MAX_GLOBAL_BATCH)
+            inputs.number(_num(r["measured_time_s"]), "measured_time_s", lo=0, lo_open=True)
+            seq = r["seq_len"]
+            seqs.append(None if pd.isna(seq) or str(seq).strip() == "" else
+                        inputs.count(_num(seq), "seq_len", 1, inputs.MAX_SEQ_LEN))
+        except UserError as e:
+            raise UserError(f"{label}: {e}") from None
+        if int(np.prod(grid)) != gpus:
+            raise UserError(f"{label}: the grid {'x'.join(map(str, grid))} multiplies to {int(np.prod(grid))}, "
+                            f"not its gpus {gpus}")
+        if r["order"] not in ORDERS:
+            raise UserError(f"{label}: unknown placement order {r['order']!r}")
+    return seqs
+
+
+def _num(v):
+    """A table cell as a number for the checks (NaN stays NaN and is refused there)."""
+    if isinstance(v, str):
+        v = v.strip()
+        try:
+            return float(v) if v else float("nan")
+        except ValueError:
+            return v
+    return v
+
+
+def check_results_file(path: str | Path) -> None:
+    """Refuse, in one sentence, a results file refit cannot read: unreadable, binary, not UTF-8, or
+    without the columns a validate sweep writes."""
+    import csv
+    import io
+
+    from axoplan.yamlio import read_text
+
+    where = f"results file '{path}'"
+    body = read_text(path, where, 256 * 2**20)
+    try:
+        head = next(csv.reader(io.StringIO(body, newline="")), [])
+    except csv.Error:
+        head = []
+    need = {"candidate", "model", "gpus", "global_batch", "seq_len", "gx", "gy", "gz", "gdata", "order",
+            "micro_batch", "checkpointing", "measured_time_s", "status", "wall_s"}
+    missing = sorted(need - set(head))
+    if missing:
+        raise UserError(f"{where} lacks column(s) {', '.join(missing)} (write it with `axoplan validate`)")
+
+
+def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = None) -> np.ndarray:
+    """Predicted time per batch of every run with the profile's corrections replaced by `corrections`."""
+    from axoplan.planner.batch import evaluate
+
+    p = profile.with_corrections(**corrections) if corrections else profile
+    out = np.empty(len(runs.measured))
+    for m, job, c, idx in runs.groups:
+        out[idx] = evaluate(m, p, job, c).batch_time
+    return out
+
+
+# ---- parameter vector <-> corrections ---------------------------------------------------------------
+def _value(profile: MachineProfile, corr: Corrections, k: str) -> float:
+    """A correction's effective value: an unset overlap efficiency is the profile's own."""
+    v = getattr(corr, k)
+    return profile.overlap_efficiency if v is None else v
+
+
+def _to_x(profile: MachineProfile, corr: Corrections, params) -> np.ndarray:
+    return np.array([np.log(_value(profile, corr, k)) if k in SCALE_PARAMS else _value(profile, corr, k)
+                     for k in params], float)
+
+
+def _to_corr(x: np.ndarray, params) -> dict:
+    return {k: float(np.exp(v)) if k in SCALE_PARAMS else float(v) for k, v in zip(params, x)}
+
+
+def _bounds(params, runs: RunSet):
+    lo, hi = [], []
+    for k in params:
+        if k in SCALE_PARAMS:
+            lo.append(-LOG_BOUND)
+            hi.append(LOG_BOUND)
+        elif k in UNIT_PARAMS:
+            lo.append(0.0)
+            hi.append(1.0)
+        else:
+            lo.append(0.0)
+            hi.append(float(runs.measured.min()))
+    return np.array(lo), np.array(hi)
+
+
+def sensitivity(profile: MachineProfile, runs: RunSet, params=PARAMS) -> np.ndarray:
+    """d log(predicted) per unit of each parameter at the profile's corrections: per e-fold for the
+    scales, per (10% of the median measured step) for the overheads, per 0.1 for the shares. [runs, params]."""
+    base = np.log(predict(profile, runs))
+    x0 = _to_x(profile, profile.corrections, params)
+    J = np.empty((len(runs), len(params)))
+    for j, k in enumerate(params):
+        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
+        if k in UNIT_PARAMS and x0[j] + h > 1.0:
+            h = -h  # stay inside [0, 1]
+        x = x0.copy()
+        x[j] += h
+        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, params))) - base) / (h if k in SCALE_PARAMS else
+                                                                                     np.sign(h))
+    return J
+
+
+def choose_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, min_effect: float = 0.02) -> list[str]:
+    """The corrections these runs can determine: a parameter is kept when changing it moves some run's
+    prediction (by >= min_effect in log time per e-fold, per 10% of the median step, per 0.1 of a
+    share) AND, after removing what the parameters already kept explain, still varies the runs
+    differently (else it is degenerate with them). Most influential first."""
+    J = sensitivity(profile, runs, candidates)
+    order = np.argsort(-np.abs(J).max(axis=0), kind="stable")
+    kept: list[int] = []
+    for j in order:
+        col = J[:, j]
+        if np.abs(col).max() < min_effect:
+            continue
+        if kept:
+            A = J[:, kept]
+            resid = col - A @ np.linalg.lstsq(A, col, rcond=None)[0]
+            if np.linalg.norm(resid) < 0.1 * np.linalg.norm(col):
+                continue
+        kept.append(int(j))
+    return [candidates[j] for j in kept]
+
+
+def max_params(n_runs: int) -> int:
+    """At most this many corrections are fitted to n runs, so each fitted number rests on >= 3 runs."""
+    return max(1, (n_runs - 1) // 3)
+
+
+def _bic(n: int, rms: float, k: int) -> float:
+    return n * np.log(max(rms, 1e-12) ** 2) + k * np.log(n)
+
+
+def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> list[str]:
+    """Best subset by the Bayesian information criterion on the log errors, n*log(mean squared log
+    error) + k*log(n), among the corrections these runs can determine (choose_params), at most
+    max_params of them. Every subset is scored first by its linearised fit (the planner's Jacobian at
+    the profile, bounded least squares: cheap), the `screen` best and the empty set then by a real fit.
+    Corrections that only help together (one moves the runs one way, another corrects what it
+    overshoots) are found, which forward selection misses. The leave-one-out error is not used here,
+    so it stays an honest estimate for the set chosen."""
+    from itertools import combinations
+
+    from scipy.optimize import lsq_linear
+
+    pool = choose_params(profile, runs, candidates)
+    n = len(runs)
+    base = np.log(predict(profile, runs))
+    r0 = base - np.log(runs.measured)
+    empty = _bic(n, float(np.sqrt(np.mean(r0**2))), 0)
+    if not pool:
+        return []
+    x0 = _to_x(profile, profile.corrections, pool)
+    lo, hi = _bounds(pool, runs)
+    J = np.empty((n, len(pool)))  # d log(predicted) / dx, x in the fit's own units
+    for j, k in enumerate(pool):
+        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
+        if x0[j] + h > hi[j]:
+            h = -h
+        x = x0.copy()
+        x[j] += h
+        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, pool))) - base) / h
+    scored = []
+    for k in range(1, min(max_params(n), len(pool)) + 1):
+        for sub in combinations(range(len(pool)), k):
+            idx = list(sub)
+            lo_d, hi_d = lo[idx] - x0[idx], hi[idx] - x0[idx]
+            sol = lsq_linear(J[:, idx], -r0, bounds=(np.minimum(lo_d, -1e-12), np.maximum(hi_d, 1e-12)))
+            rms = float(np.sqrt(np.mean((r0 + J[:, idx] @ sol.x) ** 2)))
+            scored.append((_bic(n, rms, k), k, [pool[i] for i in idx]))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    best, chosen = empty, []
+    for _, k, params in scored[:screen]:
+        v = _bic(n, fit(profile, runs, params).rms_log_error, k)
+        if v < best - 1e-9:
+            best, chosen = v, params
+    return chosen
+
+
+@dataclass
+class Fit:
+    params: list
+    corrections: dict  # fitted values of `params`
+    rms_log_error: float
+    success: bool
+    message: str
+
+
+def fit(profile: MachineProfile, runs: RunSet, params, start: dict | None = None) -> Fit:
+    """Least squares on log(predicted/measured) over the given corrections, from the profile's values
+    (or from `start`, e.g. the full fit when leaving one run out)."""
+    from scipy.optimize import least_squares
+
+    params = list(params)
+    if not params:
+        r = np.log(predict(profile, runs) / runs.measured)
+        return Fit([], {}, float(np.sqrt(np.mean(r**2))), True, "nothing to fit")
+    lo, hi = _bounds(params, runs)
+    x0 = np.clip(_to_x(profile, dataclasses.replace(profile.corrections, **(start or {})), params), lo, hi)
+    logm = np.log(runs.measured)
+
+    def resid(x):
+        return np.log(predict(profile, runs, _to_corr(x, params))) - logm
+
+    scale = np.array([1.0 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else
+                      max(float(np.median(runs.measured)), 1e-9) * 0.1 for k in params])
+    sol = least_squares(resid, x0, bounds=(lo, hi), x_scale=scale, method="trf", xtol=1e-8, ftol=1e-10,
+                        gtol=1e-10, max_nfev=200)
+    return Fit(params, _to_corr(sol.x, params), float(np.sqrt(np.mean(sol.fun**2))), bool(sol.success),
+               str(sol.message))
+
+
+def abs_pct_errors(pred: np.ndarray, meas: np.ndarray) -> np.ndarray:
+    return 100.0 * np.abs(pred - meas) / meas
+
+
+@dataclass
+class Report:
+    params: list
+    before: dict  # corrections of the input profile
+    after: dict  # all corrections of the new profile
+    n_runs: int
+    mape_before: float
+    max_ape_before: float
+    mape_after: float
+    max_ape_after: float
+    mape_loo: float | None  # leave-one-out: each run predicted by a fit without it
+    max_ape_loo: float | None
+    per_run: pd.DataFrame = field(repr=False)
+    fit: Fit = field(repr=False)
+
+
+def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: bool = True,
+                  candidates=PARAMS) -> Report:
+    """`params` "auto": the best subset of `candidates` (select_params)."""
+    if params == "auto":
+        params = select_params(profile, runs, candidates)
+    else:
+        params = list(params)
+        unknown = [p for p in params if p not in PARAMS]
+        if unknown:
+            raise UserError(f"unknown correction '{unknown[0]}' (known: {', '.join(PARAMS)})")
+    before_pred = predict(profile, runs)
+    f = fit(profile, runs, params)
+    after_pred = predict(profile, runs, f.corrections)
+    loo_pred = None
+    if loo and not params:
+        loo_pred = before_pred  # nothing fitted: every run is predicted without itself already
+    if loo and len(runs) >= 3 and params:
+        loo_pred = np.empty(len(runs))
+        for i in range(len(runs)):
+            keep = np.ones(len(runs), dtype=bool)
+            keep[i] = False
+            fi = fit(profile, runs.subset(keep), params, start=f.corrections)
+            loo_pred[i] = predict(profile, runs.subset(np.array([i])), fi.corrections)[0]
+    eb, ea = abs_pct_errors(before_pred, runs.measured), abs_pct_errors(after_pred, runs.measured)
+    el = abs_pct_errors(loo_pred, runs.measured) if loo_pred is not None else None
+    per = pd.DataFrame({"run": runs.labels, "measured_s": runs.measured, "before_s": before_pred,
+                        "after_s": after_pred, "loo_s": loo_pred if loo_pred is not None else np.nan})
+    before = {k: _value(profile, profile.corrections, k) for k in PARAMS}
+    after = dict(before)
+    after.update(f.corrections)
+    return Report(params, before, after, len(runs), float(eb.mean()), float(eb.max()),
+                  float(ea.mean()), float(ea.max()), None if el is None else float(el.mean()),
+                  None if el is None else float(el.max()), per, f)
+
+
+def format_report(r: Report) -> str:
+    lines = [f"{r.n_runs} measured runs; fitted: {', '.join(r.params) or 'nothing (no correction the runs determine lowers the information criterion: they support none)'}"]
+    for k in PARAMS:
+        mark = "  (fitted)" if k in r.params else ""
+        lines.append(f"  {k:21s} {r.before[k]:10.4g} -> {r.after[k]:10.4g}{mark}   {DOC[k]}")
+    lines.append(f"mean abs error  before {r.mape_before:6.1f}%   after {r.mape_after:6.1f}%"
+                 + (f"   leave-one-out {r.mape_loo:6.1f}%" if r.mape_loo is not None else "   leave-one-out n/a"))
+    lines.append(f"max abs error   before {r.max_ape_before:6.1f}%   after {r.max_ape_after:6.1f}%"
+                 + (f"   leave-one-out {r.max_ape_loo:6.1f}%" if r.max_ape_loo is not None else ""))
+    if r.mape_loo is not None and r.mape_loo > 1.5 * r.mape_after + 2:
+        lines.append("note: leave-one-out error is well above the in-sample error: the fit memorises more than it "
+                     "generalises (more runs, or fewer --params)")
+    return "\n".join(lines)
+
+
+def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str) -> dict:
+    """The old profile's YAML mapping with refitted corrections and the new name; relative paths of
+    measured tables (GEMM, attention, collectives) are rewritten to stay valid from the new file's folder."""
+    if not profile.path:
+        raise UserError("refit needs a profile read from a YAML file")
+    src = Path(profile.path)
+    d = yaml.safe_load(src.read_text())
+    name = out.stem
+    today = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
+    d["name"] = name
+    d["description"] = f"{d.get('description', '')} [corrections refit {today} by axoplan refit]".strip()
+    for section, sub in (("compute", "gemm"), ("compute", "attention"), ("network", "intra_node")):
+        tab = ((d.get(section) or {}).get(sub) or {}).get("table")
+        if isinstance(tab, dict) and isinstance(tab.get("path"), str) and not Path(tab["path"]).is_absolute():
+            abs_tab = (src.parent / tab["path"]).resolve()
+            tab["path"] = os.path.relpath(abs_tab, out.resolve().parent)
+    loo = f"{r.mape_loo:.1f}%" if r.mape_loo is not None else "n/a"
+    src_text = (f"axoplan refit {today}: least squares on log time of {r.n_runs} ok runs in {results} "
+                f"against profile '{profile.name}' ({src}); fitted {', '.join(r.params) or 'nothing'} "
+                f"(others kept); mean abs error {r.mape_before:.1f}% before, {r.mape_after:.1f}% after, "
+                f"{loo} leave-one-out")
+    # an overlap efficiency neither fitted nor set before stays the profile's measured one
+    corr = {k: float(f"{r.after[k]:.6g}") for k in PARAMS
+            if not (k in UNIT_PARAMS and k not in r.params and getattr(profile.corrections, k) is None)}
+    corr["source"] = src_text
+    d["corrections"] = corr
+    return d
+
+
+def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo: bool = True) -> Report:
+    """What `axoplan refit` does: read results, fit, write the new profile atomically."""
+    from axoplan.atomic import atomic_write_text, check_writable
+    from axoplan.loop.validate import read_results
+
+    out = Path(out)
+    if out.suffix not in (".yaml", ".yml"):
+        raise UserError(f"--out must name a .yaml file for the new profile, got '{out}'")
+    profile = load_profile(machine)
+    if profile.path and out.resolve() == Path(profile.path).resolve():
+        raise UserError(f"--out '{out}' is the input profile itself; refit writes a new profile and never edits the old one")
+    check_writable(out, "--out")  # before the fit, which can take a while
+    check_results_file(results)
+    df = read_results(results)
+    runs = runs_from_results(df, f"results file '{results}'")
+    r = refit_profile(profile, runs, params, loo)
+    d = new_profile_dict(profile, r, out, str(results))
+    text = ("# Machine profile written by `axoplan refit` from "
+            f"'{profile.path}' (schema: machine_profiles/README.md)\n" + yaml.safe_dump(d, sort_keys=False))
+    atomic_write_text(out, text)
+    load_profile(str(out))  # the new file must load: a bug here is ours, not the user's
+    return r
+
+
+__all__ = [
+    "DOC",
+    "PARAMS",
+    "Fit",
+    "Report",
+    "RunSet",
+    "choose_params",
+    "fit",
+    "format_report",
+    "predict",
+    "refit",
+    "refit_profile",
+    "runs_from_results",
+]

@@ -1,0 +1,323 @@
+"""Communication: which collective each layer issues, over which group, how many bytes, and how
+long it takes on the placed group (ring α-β with the profile's placement-aware bandwidth).
+
+Message sizes follow reference §2 per layer: normal layers (in over X, out over Y) and transposed
+ones (X and Y truly swapped), the embedding, the LM head with vocabulary-parallel cross-entropy,
+exact norms over X-sharded channels, and the data-parallel gradient all-reduce (fp32).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from axoplan.planner.machine import MachineProfile
+from axoplan.planner.space import Candidates, strides
+from axoplan.planner.specs import LinearShape, ModelSpec
+
+FP32 = 4
+# a gradient bucket closes once it holds this much fp32 (PyTorch DDP's bucket_cap_mb): small layers share a call
+DP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class Groups:
+    """Per axis and candidate: group size, stride, bus bandwidth (bytes/s), latency per ring step (s),
+    and each collective's ring cost as time = nbytes * per_byte + fixed (see ring_time)."""
+
+    size: dict
+    stride: dict
+    busbw: dict
+    latency: dict
+    per_byte: dict  # (axis, kind) -> s/byte
+    fixed: dict  # (axis, kind) -> s
+    shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
+    burst: np.ndarray | float = 0.0  # per candidate: compute seconds between two collective calls
+
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndarray]:
+    """(members per node, nodes spanned) of groups of p members `stride` GPUs apart."""
+    p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
+    per_node = np.clip(np.floor(profile.gpus_per_node / np.maximum(np.asarray(stride, dtype=np.float64), 1.0)), 1.0, p)
+    return per_node, np.ceil(p / per_node)
+
+
+def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
+    """Fixed seconds of one collective in NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc): a base
+    cost per call, then per ring pass each step inside a node at the intra-node latency and each node
+    crossing at the network latency (an all-reduce is two passes); across nodes an all-reduce may
+    take the tree, (members per node - 1) intra-node steps and log2(nodes) network hops, up and down."""
+    c = profile.corrections.latency_scale
+    a_in, a_net = profile.intra_latency * c, profile.inter_latency * c
+    p = np.asarray(p, dtype=np.float64)
+    m, n = group_nodes(profile, p, stride)
+    passes = 2.0 if kind == "all_reduce" else 1.0
+    ring = passes * ((p - n) * a_in + (n - 1) * a_net)  # p-1 steps of which n-1 cross a node boundary
+    if kind == "all_reduce":
+        tree = 2.0 * ((m - 1) * a_in + np.ceil(np.log2(n)) * a_net)
+        ring = np.where(n > 1, np.minimum(ring, tree), ring)
+    t = (profile.physics.base_latency * c + ring) * profile.coll_lat_scale[kind]
+    return np.where(p > 1, t, 0.0)
+
+
+def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True, stride=1):
+    """Ring collectives: all-reduce moves 2(p-1)/p of the buffer in 2(p-1) steps, all-gather and
+    reduce-scatter (p-1)/p in p-1 steps (nbytes: the per-GPU buffer of an all-reduce, the full
+    gathered buffer of an all-gather, the full input of a reduce-scatter: nccl-tests conventions).
+    Across nodes an all-reduce may take NCCL's tree instead, whose latency grows as log2(p): the
+    cheaper step count is used there (it only matters for small messages over large groups).
+    A profile with network.latency_model 'nccl' takes nccl_latency instead of steps x latency."""
+    p = np.asarray(p, dtype=np.float64)
+    hops = 2.0 if kind == "all_reduce" else 1.0
+    per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
+    if profile.physics.latency_model == "nccl":
+        fixed = nccl_latency(profile, kind, p, stride)
+    else:
+        steps = p - 1
+        if kind == "all_reduce":
+            tree = np.ceil(np.log2(np.maximum(p, 1)))
+            steps = np.where(inside, steps, np.minimum(steps, tree))
+        fixed = hops * steps * latency * profile.coll_lat_scale[kind]
+    fixed = fixed + np.where(p > 1, profile.corrections.collective_overhead_s, 0.0)
+    return per_byte, fixed
+
+
+def place(profile: MachineProfile, c: Candidates, burst=0.0) -> Groups:
+    """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
+    together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
+    slowest member axis."""
+    sx, sy, sz, sd = strides(c.gx, c.gy, c.gz, c.order)
+    size = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata}
+    stride = {"x": sx, "y": sy, "z": sz, "d": sd}
+    busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
+    lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
+    inside = {a: profile.group_inside(size[a], stride[a]) for a in size}
+    for name, axes in (("zd", "zd"), ("all", "xyzd")):
+        size[name] = np.prod([size[a] for a in axes], axis=0)
+        stride[name] = np.min([np.where(size[a] > 1, stride[a], np.iinfo(np.int64).max) for a in axes], axis=0)
+        stride[name] = np.where(size[name] > 1, stride[name], 1)
+        busbw[name] = np.min([busbw[a] for a in axes], axis=0)
+        lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
+        inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
+    per_byte, fixed = {}, {}
+    for a, sz in size.items():
+        for kind in KINDS:
+            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, sz, busbw[a], lat[a],
+                                                                    inside[a], stride[a])
+    shapes = None
+    if profile.coll_table is not None:
+        shapes = {}
+        for a, sz in size.items():
+            pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
+            shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
+    return Groups(size, stride, busbw, lat, per_byte, fixed, shapes, burst)
+
+
+def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
+    """One collective on a measured group shape: log-log interpolation of the calibration's times,
+    the smallest size's time below the table (latency-bound), and beyond it the largest time plus
+    the alpha-beta model's per-byte cost; linear in the compute burst before the call between the
+    bursts measured (clamped at both ends). The corrections split each curve at its smallest size:
+    latency_scale multiplies that part, intra_bw_scale divides the rest."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    x = np.log(np.maximum(nb, 1.0))
+    slope = (2.0 if kind == "all_reduce" else 1.0) * (size - 1) / size / (
+        profile.intra_busbw(int(size), int(stride)) * profile.coll_bw_scale[kind])
+    c = profile.corrections
+    per_burst = []
+    for _, lb, ls in profile.coll_table.curves[kind, int(size), int(stride)]:
+        t = np.exp(np.interp(x, lb, ls))
+        over = nb > np.exp(lb[-1])
+        if np.any(over):
+            t = np.where(over, np.exp(ls[-1]) + (nb - np.exp(lb[-1])) * slope, t)
+        t0 = np.exp(ls[0])
+        per_burst.append(t0 * c.latency_scale + (t - t0) / c.intra_bw_scale)
+    bursts = [b for b, _, _ in profile.coll_table.curves[kind, int(size), int(stride)]]
+    if len(bursts) == 1:
+        return per_burst[0] + c.collective_overhead_s
+    stack = np.stack(np.broadcast_arrays(*per_burst))
+    w = np.clip(np.asarray(burst, dtype=np.float64), bursts[0], bursts[-1])
+    out = np.empty(np.broadcast(stack[0], w).shape)
+    for i in range(len(bursts) - 1):  # piecewise linear in the burst length
+        lo, hi = bursts[i], bursts[i + 1]
+        f = (w - lo) / (hi - lo)
+        seg = (w >= lo) & ((w <= hi) if i == len(bursts) - 2 else (w < hi))
+        out = np.where(seg, stack[i] * (1 - f) + stack[i + 1] * f, out)
+    return out + c.collective_overhead_s
+
+
+def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True, stride=1) -> np.ndarray:
+    """Seconds of one collective over a group of p (0 when p == 1)."""
+    per_byte, fixed = _ring_coefficients(profile, kind, p, busbw, latency, inside, stride)
+    return np.asarray(nbytes, dtype=np.float64) * per_byte + fixed
+
+
+@dataclass
+class Collective:
+    """One collective a layer issues per micro-batch (or per step), with its size and time per call."""
+
+    layer: str
+    phase: str  # fwd, bwd, step
+    kind: str  # all_gather, reduce_scatter, all_reduce
+    axis: str  # x, y, z, d
+    nbytes: np.ndarray
+    seconds: np.ndarray
+    calls: np.ndarray | int = 1  # calls per micro-batch (or per step) of this size: gradient buckets share a row
+
+
+def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
+    if g.shapes is not None:
+        # measured group shapes take the calibration's own curve instead of the alpha-beta fit
+        pairs, inv = g.shapes[axis]
+        t = np.array(np.broadcast_to(t, np.broadcast(t, inv).shape), dtype=np.float64)
+        nb = np.broadcast_to(nbytes, t.shape)
+        bu = np.broadcast_to(g.burst, t.shape)
+        for i, (p, s) in enumerate(pairs):
+            if p > 1 and profile.coll_table.covers(kind, p, s):
+                m = inv == i
+                t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
+    return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
+
+
+def calls_per_micro_batch(model: ModelSpec, g: Groups) -> np.ndarray:
+    """Collective calls of one micro-batch's forward and backward (no recompute), as the trainer
+    issues them: per linear an all-reduce over each of its two axes and a weight all-gather and
+    gradient reduce-scatter over Z; norm statistics over X (two norms per block and the final one,
+    forward and backward); the embedding's all-gather, all-reduce over Y and reduce-scatter; the
+    loss's two all-reduces over Y."""
+    on = {a: (np.asarray(g.size[a]) > 1).astype(np.float64) for a in "xyz"}
+    n = 0.0
+    for lin in list(model.block_linears()) * model.n_layers + [model.lm_head()]:
+        a_in, a_out = linear_axes(lin)
+        n = n + on[a_in] + on[a_out] + 2 * on["z"]
+    n = n + (2 * model.n_layers + 1) * 2 * on["x"]
+    return n + 2 * on["z"] + 3 * on["y"]
+
+
+def linear_axes(lin: LinearShape) -> tuple[str, str]:
+    """(axis splitting in-features, axis splitting out-features)."""
+    return ("y", "x") if lin.transposed else ("x", "y")
+
+
+def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int) -> dict[str, Collective]:
+    """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
+    all-gather of the weight block and reduce-scatter of its gradient over Z."""
+    ax_in, ax_out = linear_axes(lin)
+    g_in, g_out = g.size[ax_in], g.size[ax_out]
+    block = padded_block((lin.k // g_in) * (lin.n // g_out), g.size["z"]) * dtype_bytes
+    return {
+        "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * (lin.n // g_out) * dtype_bytes),
+        "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * (lin.k // g_in) * dtype_bytes),
+        "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
+        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block),
+    }
+
+
+def padded_block(elems, gz) -> np.ndarray:
+    """Elements a weight block's all-gather and reduce-scatter move: the block zero-padded to gz shards."""
+    return shard_elems(elems, gz) * gz
+
+
+def shard_elems(lin_elems_block, gz) -> np.ndarray:
+    """Elements of one Z shard of a weight block (flat blocks are padded to a multiple of gz)."""
+    return -(-lin_elems_block // gz)
+
+
+def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) -> tuple[Collective, Collective]:
+    """Exact norm over X-sharded channels: per-token statistics all-reduced over X, fp32
+    (layernorm: sum and sum of squares; rmsnorm: sum of squares), forward and backward alike."""
+    stats = 2 if model.norm == "layernorm" else 1
+    nbytes = tokens * stats * FP32
+    return (_coll(profile, g, name, "fwd", "all_reduce", "x", nbytes),
+            _coll(profile, g, name, "bwd", "all_reduce", "x", nbytes))
+
+
+def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes) -> dict[str, Collective]:
+    """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
+    all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
+    block = padded_block((model.padded_vocab // g.size["y"]) * (model.hidden // g.size["x"]), g.size["z"]) * dtype_bytes
+    return {
+        "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
+        "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * (model.hidden // g.size["x"]) * dtype_bytes),
+        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block),
+    }
+
+
+def loss_collectives(profile, g: Groups, tokens) -> tuple[Collective, Collective]:
+    """Vocabulary-parallel cross-entropy, two fp32 all-reduces over Y as the trainer issues them: the
+    per-token max, then the sum of exponentials with the target logit."""
+    return (_coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * FP32),
+            _coll(profile, g, "loss", "fwd", "all_reduce", "y", tokens * 2 * FP32))
+
+
+@dataclass
+class BucketPlan:
+    """Per candidate, the overlapped D all-reduce's buckets: the first (the LM head and `first_blocks`
+    blocks), `middle` buckets of `per_bucket` blocks each, the last (the remaining blocks and the
+    embedding; none where the first took everything: `single`)."""
+
+    first_blocks: np.ndarray
+    per_bucket: np.ndarray
+    middle: np.ndarray
+    single: np.ndarray
+    rows: list  # (which, fp32 elements per call, calls per step) of the first, middle and last buckets
+
+
+def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int, cap_bytes: int | None = None) -> BucketPlan:
+    """The trainer's buckets (ParallelGPT.grad_buckets): units in the order the last backward makes them
+    final (the LM head, blocks last to first with their four shards, the embedding), filled greedily; a
+    bucket closes at the unit that brings it to cap_bytes (DP_BUCKET_BYTES) of fp32 or more, the last one
+    at the embedding. Integer arithmetic, as the trainer counts shard lengths."""
+    cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
+    a, b, c = (np.asarray(x).astype(np.int64) for x in np.broadcast_arrays(lm_shard, block_shards, emb_shard))
+    bb = np.maximum(b, 1)  # a zero-sized block (an infeasible split) must not divide by zero
+    k0 = np.where(a >= cap, 0, -(-(cap - a) // bb))  # blocks that close the LM head's bucket
+    single = k0 > n_layers  # never reaches the cap before the embedding: one bucket of everything
+    k0 = np.minimum(k0, n_layers)
+    k = -(-cap // bb)
+    middle = np.where(single, 0, (n_layers - k0) // k)
+    rest = np.where(single, 0, n_layers - k0 - middle * k)
+    first = np.where(single, a + n_layers * b + c, a + k0 * b)
+    rows = [("first", first.astype(np.float64), np.ones_like(middle)),
+            ("middle", np.where(middle > 0, k * b, 0).astype(np.float64), middle),  # no call, no size
+            ("last", np.where(single, 0, rest * b + c).astype(np.float64), np.where(single, 0, 1))]
+    return BucketPlan(k0, k, middle, single, rows)
+
+
+def data_parallel_collectives(profile, g, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
+    """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
+    buffer; or with `buckets` (gradient_buckets(...).rows) one call per bucket, launched inside the last
+    backward: the first len(buckets) rows, phase 'bwd', calls per candidate); replicated parameters (norm weights, positions) over Z and D together; the kept-token
+    count and the loss over Z and D; the squared gradient norm over every GPU; the barrier that
+    closes each timed step. `g` may be three placements (after the backward, after the optimizer,
+    back to back) that differ only in the compute burst before each call (measured tables)."""
+    after_bwd, after_opt, b2b = g if isinstance(g, tuple) else (g, g, g)
+    # the first of the calls after the backward with a group of more than one follows its compute
+    first, seen = {}, False
+    for name, axis in (("gradients", "d"), ("replicated", "zd"), ("gradient norm", "all")):
+        on = np.asarray(b2b.size[axis]) > 1
+        first[name], seen = on & ~seen, seen | on
+
+    def after(name):
+        return dataclasses.replace(b2b, burst=np.where(first[name], after_bwd.burst, 0.0)) \
+            if b2b.shapes is not None else b2b
+
+    if buckets is None:
+        grads = [_coll(profile, after("gradients"), "gradients", "step", "all_reduce", "d", shard_elements * FP32)]
+    else:
+        grads = [dataclasses.replace(_coll(profile, after_bwd, "gradients", "bwd", "all_reduce", "d", elems * FP32),
+                                     calls=calls) for _, elems, calls in buckets]
+    return grads + [
+        _coll(profile, after("replicated"), "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
+        _coll(profile, b2b, "token count", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, after_opt, "loss", "step", "all_reduce", "zd", 8.0),
+        _coll(profile, after("gradient norm"), "gradient norm", "step", "all_reduce", "all", 8.0),
+        # the trainer ends every timed step with a barrier over all ranks (gloo: a tiny all-reduce)
+        _coll(profile, b2b, "step barrier", "step", "all_reduce", "all", 4.0),
+    ]

@@ -1,0 +1,215 @@
+"""Memory per GPU: the peak of live bytes along one training step, following each buffer the
+trainer allocates and frees, in its order (not a sum of worst cases).
+
+The step is walked through the moments where the live set can peak: the loss (fp32 logits and
+their gradient), the LM head's backward, each layer of the first block the backward reaches (all
+saved activations still live; under checkpointing the recomputed block and its kept weights), and
+the optimizer step. At each moment the live bytes are split into kinds:
+
+- states: fp32 weight shards, their fp32 gradients and AdamW's two moments (FSDP-style: the compute
+  copy of a weight exists only while gathered), plus the replicated norm and position parameters;
+- gathered weights: the block in use, the one prefetched (OAG), and under checkpointing the
+  recomputed block's weights kept for its backward;
+- gradient blocks: the full-size dW of the layer in backward and those whose reduce-scatter is in
+  flight (at most `max_inflight_rs`, each with its padded copy and its reduced shard);
+- activations: what autograd saved (per block, or only block inputs plus the recomputed block);
+- logits: the LM head's output, its one fp32 copy in the loss and the gradient handed back;
+- transients: activation gradients and the fp32 temporaries of the norms' backward.
+
+Everything is per candidate (numpy arrays). What PyTorch and the driver add beyond tensors stays
+the profile's headroom.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from axoplan.planner.specs import ModelSpec
+from axoplan.planner.comm import FP32, padded_block, shard_elems
+
+KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients")
+KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
+              "activations": "activations", "logits": "logits", "transients": "transients"}
+# fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward
+NORM_BWD_FP32_COPIES = 6
+
+
+@dataclass
+class Memory:
+    """Peak bytes per candidate and which moment that is (an index into `moments`); with the breakdown,
+    the bytes live per kind at that moment (None without: ranking needs only the total)."""
+
+    total: np.ndarray
+    moment: np.ndarray
+    moments: tuple = ()
+    states: np.ndarray | None = None
+    gathered: np.ndarray | None = None
+    gradients: np.ndarray | None = None
+    activations: np.ndarray | None = None
+    logits: np.ndarray | None = None
+    transients: np.ndarray | None = None
+
+    def where(self, i: int) -> str:
+        return self.moments[int(np.asarray(self.moment).reshape(-1)[i])]
+
+    def map(self, f) -> Memory:
+        """The same memory with f applied to every per-candidate array."""
+        kinds = {k: None if getattr(self, k) is None else f(getattr(self, k)) for k in KINDS}
+        return Memory(f(self.total), f(self.moment), self.moments, **kinds)
+
+
+def state_bytes_per_element() -> int:
+    """fp32 master shard, fp32 gradient and AdamW's two fp32 moments (4+4+8); the half-precision
+    compute copy exists only while a block is gathered (FSDP2-style mixed precision, as the trainer)."""
+    return 16
+
+
+@dataclass
+class _Layer:
+    """One linear (or the embedding) per candidate: bytes of its gathered block, of the gradient
+    block its backward makes, of what stays in flight until its reduce-scatter completes."""
+
+    gathered: np.ndarray
+    dw: np.ndarray
+    inflight: np.ndarray
+
+
+def _layer(numel, gz, e: int, grad_bytes: int | None = None) -> _Layer:
+    numel = np.asarray(numel, dtype=np.float64)
+    shard = shard_elems(numel, gz)
+    padded = padded_block(numel, gz)
+    sharded = gz > 1
+    # gz == 1: the "gathered" block is the fp32 shard itself, copied only when computing in half precision
+    gathered = np.where(sharded, padded * e, numel * e if e != FP32 else 0.0)
+    gb = e if grad_bytes is None else grad_bytes
+    # sharded: the block, its padded (or cast) copy for the reduce-scatter, and the reduced shard, allocated
+    # before the call is issued; gz == 1: accumulated into the fp32 gradient at once (a cast copy in half precision)
+    dw = np.where(sharded, numel * gb + np.where((padded != numel) | (gb != e), padded * e, 0.0) + shard * e,
+                  numel * gb + (numel * FP32 if gb != FP32 else 0.0))
+    # in flight: the full-size block (or its padded, cast copy) and the reduced shard
+    inflight = np.where(sharded, padded * e + shard * e, 0.0)
+    return _Layer(gathered, dw, inflight)
+
+
+def memory(*args, breakdown: bool = False, **kw) -> Memory:
+    """The peak over the step's moments (arguments: step_moments'), per candidate; with `breakdown`,
+    the bytes of each kind at that peak too."""
+    moments = step_moments(*args, **kw)
+    names = tuple(moments)
+    totals = np.stack(np.broadcast_arrays(*(sum(m.values()) for m in moments.values())))
+    best = np.argmax(totals, axis=0)
+    total = np.take_along_axis(totals, best[None], axis=0)[0]
+    if not breakdown:
+        return Memory(total, best, names)
+
+    def pick(kind):
+        stacked = np.stack([np.broadcast_to(np.asarray(m[kind], dtype=np.float64), total.shape)
+                            for m in moments.values()])
+        return np.take_along_axis(stacked, best[None], axis=0)[0]
+
+    return Memory(total, best, names, **{k: pick(k) for k in KINDS})
+
+
+def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
+                 block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int) -> dict:
+    """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
+    each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
+    embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
+    position parameters (the same states, unsharded)."""
+    e = dtype_bytes
+    T = np.asarray(tokens, dtype=np.float64)
+    L = model.n_layers
+    hx = model.hidden / gx
+    hd = model.head_dim
+    qh = model.n_heads / gy * hd
+    kvh = model.kv_heads / gy * hd
+    heads = model.n_heads / gy
+    f1 = model.fc1_out / gy
+    ffn = model.ffn / gy
+    vl = model.padded_vocab / gy
+    ck = np.asarray(checkpointing)
+
+    states = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
+        * state_bytes_per_element()
+    qkv, out, fc1, fc2 = (_layer(b, gz, e) for b in block_elems)
+    lm = _layer(lm_elems, gz, e)
+    emb = _layer(emb_elems, gz, e, grad_bytes=FP32)  # the embedding's gradient is built in fp32
+    pre = 1.0 if prefetch else 0.0
+
+    # ---- saved activations of one block (autograd's), per token, beyond the block input --------
+    stats = 2 * 2 * FP32  # mean and rstd of both norms
+    rope = (qh + kvh) * e if model.position == "rope" else 0.0  # rotated copies of q and k
+    act_out = (2 * ffn if model.mlp == "swiglu" else ffn) * e  # the activation's output(s) fc2 reads
+    saved = {  # freed in this order by the backward: fc2's input, fc1's output, fc1's input, ...
+        "act": act_out, "fc1": f1 * e, "h2": hx * e + stats / 2, "x1": hx * e,
+        "sdpa": (qh + 2 * kvh) * e + rope + qh * e + heads * FP32, "h1": hx * e + stats / 2,
+    }
+    block_saved = T * sum(saved.values())
+    x_in = T * hx * e  # one block's input (kept per block under checkpointing)
+    # all blocks but the last, as the backward finds them when it reaches the last block
+    earlier = np.where(ck, (L - 1) * x_in, (L - 1) * (x_in + block_saved))
+    final = T * (2 * hx * e + FP32 * 2)  # the final norm's input and output (the LM head's input)
+
+    def inflight(layers):
+        """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
+        return sum(layer.inflight for layer in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
+
+    moments = {}
+
+    def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0):
+        moments[name] = {"states": states, "gathered": gathered, "gradients": gradients,
+                         "activations": activations, "logits": logits, "transients": transients}
+
+    # every block's input (or all it saved) and the final norm's
+    stack = earlier + x_in + np.where(ck, 0.0, block_saved) + final
+    moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32))
+    # the loss backward: the saved logits, their one fp32 copy and the gradient handed back (the copy
+    # itself when the logits are fp32)
+    moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32 + (e if e != FP32 else 0)))
+    # the LM head's backward prefetches the last block's first gather: qkv to recompute, or fc2
+    moment("backward lm_head", lm.gathered + pre * np.where(ck, qkv.gathered, fc2.gathered), lm.dw, stack,
+           T * vl * e, T * hx * e)
+
+    # the final norm's backward: the LM head's input freed, its dI coming in, the norm's fp32 temporaries
+    norm_bwd = T * hx * (e + NORM_BWD_FP32_COPIES * FP32)
+    moment("backward final norm", pre * np.where(ck, qkv.gathered, fc2.gathered), lm.inflight, stack - T * hx * e,
+           0.0, norm_bwd)
+
+    # ---- the last two blocks' backward, layer by layer ----------------------------------------------
+    # Under checkpointing the recompute gathers the block's four weights and keeps each until its
+    # layer's backward; the next block's qkv is prefetched. Without it each layer gathers its own and
+    # prefetches the next. The second block finds the first's last two reduce-scatters in flight.
+    kept = [qkv.gathered, out.gathered, fc1.gathered, fc2.gathered]
+    order = [lm]  # reduce-scatters issued so far, oldest first
+    dres = T * hx * e  # the residual stream's gradient, live through the block
+    # (layer, saved tensors freed after it, activation gradients live, kept weights live, layer in use
+    # and prefetched without checkpointing)
+    qkv_l = qh + 2 * kvh
+    steps = (("fc2", ["act"], T * ffn * e, 4, fc2, fc1),
+             ("fc1", ["fc1", "h2"], T * (f1 + hx) * e, 3, fc1, out),
+             ("norm2", ["x1"], norm_bwd, 2, None, out),
+             ("attn_out", [], T * (hx + qh) * e, 2, out, qkv),
+             ("attention", ["sdpa"], T * qkv_l * e * 2, 1, None, qkv),
+             ("qkv", ["h1"], T * qkv_l * e + T * hx * e, 1, qkv, fc2),
+             ("norm1", [], norm_bwd, 0, None, fc2))
+    recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
+    one_block = np.where(ck, x_in, x_in + block_saved)
+    for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
+        live = dict(saved)
+        for name, frees_after, trans, n_kept, layer, nxt in steps:
+            acts = earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out
+            ckpt_g = sum(kept[:n_kept]) + qkv.gathered * pre  # kept ones and the next block's qkv
+            plain_g = (layer.gathered if layer is not None else 0.0) + nxt.gathered * pre
+            grads = inflight(order) + (layer.dw if layer is not None else 0.0)
+            moment(f"backward {label} {name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0, dres + trans)
+            for k in frees_after:
+                live.pop(k)
+            if layer is not None:
+                order.append(layer)
+
+    # the embedding's backward: every block done, its fp32 gradient block
+    moment("backward embedding", 0.0, inflight(order) + emb.dw, 0.0, 0.0, dres)
+    moment("optimizer step", 0.0, 0.0, 0.0)
+
+    return moments
