@@ -12,7 +12,7 @@ from conftest import profile_dict, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axoplan.planner import batch as batch_module
+from axoplan.planner import schedule as schedule_module
 from axoplan.planner.batch import evaluate
 from axoplan.planner.machine import GIB, profile_from_dict
 from axoplan.planner.rank import rank
@@ -115,7 +115,7 @@ def test_no_overlap_never_faster_and_decomposition(table_prof, job, gemm, bw, ov
     on = evaluate(m, p, j, c, overlap=True)
     off = evaluate(m, p, j, c, overlap=False)
     with pytest.MonkeyPatch.context() as mp:  # OAR/ORS/OAG; the D buckets' extra calls: tests/test_dp_overlap.py
-        mp.setattr(batch_module, "OVERLAP_DP", False)
+        mp.setattr(schedule_module, "OVERLAP_DP", False)
         _never_slower(evaluate(m, p, j, c, overlap=True).batch_time, off.batch_time, rows)
     for ev in (on, off):
         bt, comp, comm, exp = (a[rows] for a in (ev.batch_time, ev.compute, ev.comm, ev.exposed_comm))
@@ -172,10 +172,10 @@ def test_run_windows_by_hand():
     max(compute + blocking, next window's all-gather + own reduce-scatter), plus the first all-gather:
     0.5 + A 3 + 2 * (B1 2.1 + B2 3.3) + (B1 2.1 + B2 1.0) + C 1.2 = 18.6.
     Without overlap every window is ag + compute + blocking + rs: 1.5 + 3 * 7.0 + 1.9 = 24.4."""
-    from axoplan.planner.batch import Window, run_windows
+    from axoplan.planner.timing import Timed, run_windows
 
     def w(name, c, b, ag, rs):
-        return Window(name, np.array([c]), np.array([b]), np.array([ag]), np.array([rs]))
+        return Timed(name, np.array([c]), np.array([b]), np.array([ag]), np.array([rs]))
 
     A, B1, B2, C = w("A", 1, 0, 0.5, 0), w("B1", 2, 0.1, 3, 0.2), w("B2", 1, 0, 0.4, 0.3), w("C", 1, 0.2, 0.6, 0.1)
     rec = []

@@ -10,6 +10,7 @@ import pytest
 from conftest import tiny_model
 
 from axoplan.planner import batch as B
+from axoplan.planner import schedule, timing
 from axoplan.planner import comm as C
 from axoplan.planner.rank import explain
 from axoplan.planner.space import Candidates
@@ -31,7 +32,7 @@ def arrivals(t_end, t_first, t_block, n, lag):
 
 def tail(t_end, t_first, t_block, lag, k0, k, mid, single, s1, sm, sl, last=1):
     a = [np.array([float(x)]) for x in (t_end, t_first, t_block, lag, k0, k, mid)]
-    out = B.data_parallel_tail(*a, np.array([single]), *(np.array([float(x)]) for x in (s1, sm, sl, last)))
+    out = timing.data_parallel_tail(*a, np.array([single]), *(np.array([float(x)]) for x in (s1, sm, sl, last)))
     return float(out[0])
 
 
@@ -80,7 +81,7 @@ def test_tail_equals_a_queue_simulation():
         per_byte = rng.uniform(1e-5, 1e-2)
         s = [el * per_byte for el, _ in rows]
         want = queue_tail(t_end, [t for _, t in buckets], [el * per_byte for el, _ in buckets])
-        got = B.data_parallel_tail(*(np.array([float(x)]) for x in (t_end, t_first, t_block, lag)), plan.first_blocks,
+        got = timing.data_parallel_tail(*(np.array([float(x)]) for x in (t_end, t_first, t_block, lag)), plan.first_blocks,
                                    plan.per_bucket, plan.middle, plan.single, s[0], s[1], s[2], plan.rows[2][2])
         assert float(got[0]) == pytest.approx(want, abs=1e-9)
 
@@ -125,7 +126,7 @@ def test_step_against_its_backward_by_hand(pm, monkeypatch, grid, mb):
     monkeypatch.setattr(C, "DP_BUCKET_BYTES", 4)  # every unit its own bucket: the LM head, each block, the embedding
     m = tiny_model(n_layers=4, hidden=256, n_heads=8)
     on = explain(m, pm, 8, 32, grid, micro_batch=mb, checkpointing=False)
-    monkeypatch.setattr(B, "OVERLAP_DP", False)
+    monkeypatch.setattr(schedule, "OVERLAP_DP", False)
     off = explain(m, pm, 8, 32, grid, micro_batch=mb, checkpointing=False)
     g_on = on.collectives[on.collectives.layer == "gradients"]
     g_off = off.collectives[off.collectives.layer == "gradients"]
@@ -152,12 +153,12 @@ def test_shared_cores_hide_only_eta(monkeypatch):
     assert 0 < p.overlap < 1 and not p.physics.overlap_slowdown
     c = Candidates(*(np.array([v]) for v in (1, 1, 2, 4, 0, 1)), np.array([False]))
     ev = B.evaluate(load_model("gpt-tiny"), p, Job(8, 16, 64), c, explain=True)
-    d = ev.detail
-    others = sum(float(s.seconds[0]) for s in d["step"][3:])
-    hidden = float(d["t_dp_hidden"][0])
-    tail_s = float(d["t_dp"][0]) - others - (1 - p.overlap) * hidden
-    total = sum(float(s.seconds[0]) * int(s.calls[0]) for s in d["step"][:3])
-    assert hidden > 0 and tail_s >= float(d["step"][2].seconds[0]) - 1e-15
+    step, st = ev.detail["schedule"].step, ev.detail["time"]
+    others = sum(float(s.seconds[0]) for s in step[3:])
+    hidden = float(st.data_parallel_hidden[0])
+    tail_s = float(st.data_parallel[0]) - others - (1 - p.overlap) * hidden
+    total = sum(float(s.seconds[0]) * int(s.calls[0]) for s in step[:3])
+    assert hidden > 0 and tail_s >= float(step[2].seconds[0]) - 1e-15
     assert tail_s + hidden == pytest.approx(total)
 
 
@@ -231,9 +232,9 @@ def test_overlap_costs_at_most_the_extra_calls(machine, cap, monkeypatch):
     for eta in (0.0, 0.5, 1.0):
         p = load_profile(machine).replace(overlap_efficiency=eta)
         on = B.evaluate(m, p, job, c).batch_time
-        monkeypatch.setattr(B, "OVERLAP_DP", False)
+        monkeypatch.setattr(schedule, "OVERLAP_DP", False)
         off = B.evaluate(m, p, job, c).batch_time
-        monkeypatch.setattr(B, "OVERLAP_DP", True)
+        monkeypatch.setattr(schedule, "OVERLAP_DP", True)
         g = C.place(p, c)
         # a call's fixed cost: its time at zero bytes (measured tables: the smallest message's, or more)
         fixed = C._coll(p, g, "gradients", "bwd", "all_reduce", "d", np.zeros(len(c))).seconds

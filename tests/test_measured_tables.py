@@ -177,20 +177,29 @@ def test_a_dip_in_a_measured_curve_is_pooled_as_noise(tmp_path):
 
 
 def test_collective_calls_per_micro_batch_counted_by_hand():
+    from axoplan.planner import schedule
+    from axoplan.planner.specs import Job
+
     m = load_model("gpt-tiny")  # 2 blocks of qkv, attn_out (transposed), fc1, fc2 (transposed); head normal
     prof = load_profile("dgx-h100")
 
-    def calls(gx, gy, gz):
-        c = Candidates(*(np.array([v]) for v in (gx, gy, gz, 8 // (gx * gy * gz), 0, 1)), np.array([False]))
-        return float(C.calls_per_micro_batch(m, C.place(prof, c))[0])
+    def calls(gx, gy, gz, ck=False):
+        c = Candidates(*(np.array([v]) for v in (gx, gy, gz, 8 // (gx * gy * gz), 0, 1)), np.array([ck]))
+        s = schedule.build(m, prof, Job(8, 8, m.seq_len), c, c.checkpointing, True, True, C.place(prof, c))
+        return float(s.calls_per_micro_batch(ck)[0])
 
     # X only: every linear all-reduces once over X (in-features of normal, out-features of transposed
     # ones): 9; norm statistics forward and backward for 5 norms: 10
     assert calls(2, 1, 1) == 19
     # Y only: every linear once over Y: 9; embedding all-reduce 1; the loss's max and sums 2
     assert calls(1, 2, 1) == 12
-    # Z only: all-gather and reduce-scatter per linear (9 x 2) and for the embedding (2)
-    assert calls(1, 1, 2) == 20
+    # Z only: per linear the weight all-gathered in the forward and again in the backward, its gradient
+    # reduce-scattered (9 x 3); the embedding's all-gather and reduce-scatter (its backward needs no weight): 29
+    assert calls(1, 1, 2) == 29
+    # recompute: the block's forward collectives again, the backward's all-gathers kept from it: 29; over X
+    # the forward all-reduces of the normal block linears (qkv, fc1: 4) and the block norms (4) again
+    assert calls(1, 1, 2, ck=True) == 29
+    assert calls(2, 1, 1, ck=True) == 19 + 4 + 4
     assert calls(1, 1, 1) == 0
 
 
@@ -216,7 +225,7 @@ def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
 def test_no_overlap_efficiency_means_no_overlap(tmp_path):
     """eta 0: a background collective hides nothing, so the overlapped schedule costs what the serial
     one does; eta 1 is the plain max; anything between lies between."""
-    from axoplan.planner import batch
+    from axoplan.planner import schedule
     from axoplan.planner.batch import evaluate
     from axoplan.planner.space import enumerate_space
     from axoplan.planner.specs import Job
@@ -227,7 +236,7 @@ def test_no_overlap_efficiency_means_no_overlap(tmp_path):
     base = load_profile("dgx-h100")
     serial = evaluate(m, base, job, c, overlap=False).batch_time
     with pytest.MonkeyPatch.context() as mp:  # one D call as in the serial run: the buckets add calls
-        mp.setattr(batch, "OVERLAP_DP", False)
+        mp.setattr(schedule, "OVERLAP_DP", False)
         t = {eta: evaluate(m, base.replace(overlap_efficiency=eta), job, c).batch_time for eta in (0.0, 0.5, 1.0)}
     assert np.allclose(t[0.0], serial, rtol=1e-12)
     assert np.all(t[1.0] <= t[0.5] + 1e-15) and np.all(t[0.5] <= t[0.0] + 1e-15)

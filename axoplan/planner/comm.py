@@ -33,7 +33,6 @@ class Groups:
     per_byte: dict  # (axis, kind) -> s/byte
     fixed: dict  # (axis, kind) -> s
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
-    burst: np.ndarray | float = 0.0  # per candidate: compute seconds between two collective calls
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -86,7 +85,7 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
     return per_byte, fixed
 
 
-def place(profile: MachineProfile, c: Candidates, burst=0.0) -> Groups:
+def place(profile: MachineProfile, c: Candidates) -> Groups:
     """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
     together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
     slowest member axis."""
@@ -114,7 +113,7 @@ def place(profile: MachineProfile, c: Candidates, burst=0.0) -> Groups:
         for a, sz in size.items():
             pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
-    return Groups(size, stride, busbw, lat, per_byte, fixed, shapes, burst)
+    return Groups(size, stride, busbw, lat, per_byte, fixed, shapes)
 
 
 def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
@@ -167,9 +166,17 @@ class Collective:
     nbytes: np.ndarray
     seconds: np.ndarray
     calls: np.ndarray | int = 1  # calls per micro-batch (or per step) of this size: gradient buckets share a row
+    # the once-per-step calls: what compute precedes this one (measured collectives depend on it): the
+    # backward, the backward where it is the first call after it with a group of more than one, the optimizer
+    after: str = ""
 
 
-def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
+def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
+    """The collective's time per call after `burst` seconds of compute (measured tables only)."""
+    return _coll(profile, g, c.layer, c.phase, c.kind, c.axis, c.nbytes, burst).seconds
+
+
+def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
     if g.shapes is not None:
@@ -177,27 +184,12 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes) -> Collective:
         pairs, inv = g.shapes[axis]
         t = np.array(np.broadcast_to(t, np.broadcast(t, inv).shape), dtype=np.float64)
         nb = np.broadcast_to(nbytes, t.shape)
-        bu = np.broadcast_to(g.burst, t.shape)
+        bu = np.broadcast_to(burst, t.shape)
         for i, (p, s) in enumerate(pairs):
             if p > 1 and profile.coll_table.covers(kind, p, s):
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
-
-
-def calls_per_micro_batch(model: ModelSpec, g: Groups) -> np.ndarray:
-    """Collective calls of one micro-batch's forward and backward (no recompute), as the trainer
-    issues them: per linear an all-reduce over each of its two axes and a weight all-gather and
-    gradient reduce-scatter over Z; norm statistics over X (two norms per block and the final one,
-    forward and backward); the embedding's all-gather, all-reduce over Y and reduce-scatter; the
-    loss's two all-reduces over Y."""
-    on = {a: (np.asarray(g.size[a]) > 1).astype(np.float64) for a in "xyz"}
-    n = 0.0
-    for lin in list(model.block_linears()) * model.n_layers + [model.lm_head()]:
-        a_in, a_out = linear_axes(lin)
-        n = n + on[a_in] + on[a_out] + 2 * on["z"]
-    n = n + (2 * model.n_layers + 1) * 2 * on["x"]
-    return n + 2 * on["z"] + 3 * on["y"]
 
 
 def linear_axes(lin: LinearShape) -> tuple[str, str]:
@@ -290,34 +282,25 @@ def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int, cap_bytes
     return BucketPlan(k0, k, middle, single, rows)
 
 
-def data_parallel_collectives(profile, g, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
-    """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one
-    buffer; or with `buckets` (gradient_buckets(...).rows) one call per bucket, launched inside the last
-    backward: the first len(buckets) rows, phase 'bwd', calls per candidate); replicated parameters (norm weights, positions) over Z and D together; the kept-token
-    count and the loss over Z and D; the squared gradient norm over every GPU; the barrier that
-    closes each timed step. `g` may be three placements (after the backward, after the optimizer,
-    back to back) that differ only in the compute burst before each call (measured tables)."""
-    after_bwd, after_opt, b2b = g if isinstance(g, tuple) else (g, g, g)
-    # the first of the calls after the backward with a group of more than one follows its compute
-    first, seen = {}, False
-    for name, axis in (("gradients", "d"), ("replicated", "zd"), ("gradient norm", "all")):
-        on = np.asarray(b2b.size[axis]) > 1
-        first[name], seen = on & ~seen, seen | on
-
-    def after(name):
-        return dataclasses.replace(b2b, burst=np.where(first[name], after_bwd.burst, 0.0)) \
-            if b2b.shapes is not None else b2b
-
+def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
+    """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one buffer; or
+    with `buckets` (gradient_buckets(...).rows) one call per bucket, launched inside the last backward:
+    the first len(buckets) rows, phase 'bwd', calls per candidate); replicated parameters (norm weights,
+    positions) over Z and D together; the kept-token count and the loss over Z and D; the squared gradient
+    norm over every GPU; the barrier that closes each timed step."""
     if buckets is None:
-        grads = [_coll(profile, after("gradients"), "gradients", "step", "all_reduce", "d", shard_elements * FP32)]
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", "all_reduce", "d", shard_elements * FP32),
+                                     after="backward_first")]
     else:
-        grads = [dataclasses.replace(_coll(profile, after_bwd, "gradients", "bwd", "all_reduce", "d", elems * FP32),
-                                     calls=calls) for _, elems, calls in buckets]
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", "all_reduce", "d", elems * FP32),
+                                     calls=calls, after="backward") for _, elems, calls in buckets]
     return grads + [
-        _coll(profile, after("replicated"), "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
-        _coll(profile, b2b, "token count", "step", "all_reduce", "zd", 8.0),
-        _coll(profile, after_opt, "loss", "step", "all_reduce", "zd", 8.0),
-        _coll(profile, after("gradient norm"), "gradient norm", "step", "all_reduce", "all", 8.0),
+        dataclasses.replace(_coll(profile, g, "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
+                            after="backward_first"),
+        _coll(profile, g, "token count", "step", "all_reduce", "zd", 8.0),
+        dataclasses.replace(_coll(profile, g, "loss", "step", "all_reduce", "zd", 8.0), after="optimizer"),
+        dataclasses.replace(_coll(profile, g, "gradient norm", "step", "all_reduce", "all", 8.0),
+                            after="backward_first"),
         # the trainer ends every timed step with a barrier over all ranks (gloo: a tiny all-reduce)
-        _coll(profile, b2b, "step barrier", "step", "all_reduce", "all", 4.0),
+        _coll(profile, g, "step barrier", "step", "all_reduce", "all", 4.0),
     ]

@@ -138,52 +138,27 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True)
     summary = _frame(ev1, one, np.array([0]), p)
     d = ev1.detail
-    ga = int(d["grad_acc"][0])
+    sched, st = d["schedule"], d["time"]
+    ga = int(np.ravel(sched.grad_acc)[0])
     ckpt = bool(one.checkpointing[0])
-    g = d["groups"]
-    L = m.n_layers
+    g = sched.groups
 
-    rows = []
-
-    def add(cl, calls):
-        ax = cl.axis
-        size = int(g.size[ax][0])
-        if size <= 1:
-            return
-        rows.append({"layer": cl.layer, "phase": cl.phase, "collective": cl.kind, "axis": ax, "group_size": size,
-                     "stride": int(g.stride[ax][0]), "bytes": float(cl.nbytes[0]),
-                     "busbw_gbs": float(g.busbw[ax][0]) / 1e9, "time_per_call_s": float(cl.seconds[0]),
-                     "calls_per_step": calls, "total_s": float(cl.seconds[0]) * calls})
-
-    for cols in d["collectives"]["block"]:
-        add(cols["ar_fwd"], ga * L * (2 if ckpt else 1))
-        add(cols["ar_bwd"], ga * L)
-        add(cols["ag"], ga * L * 2)
-        add(cols["rs"], ga * L)
-    lmc = d["collectives"]["lm_head"]
-    add(lmc["ar_fwd"], ga)
-    add(lmc["ar_bwd"], ga)
-    add(lmc["ag"], ga * 2)
-    add(lmc["rs"], ga)
-    for cl in d["collectives"]["embedding"].values():
-        add(cl, ga)
-    nf, nb = d["norm"]
-    add(nf, ga * (2 * L * (2 if ckpt else 1) + 1))
-    add(nb, ga * (2 * L + 1))
-    for cl in d["loss"]:
-        add(cl, ga)
-    for cl in d["step"]:  # the gradient buckets' calls per step where overlap.data_parallel splits them
-        calls = int(np.ravel(cl.calls)[0])
-        if calls:
-            add(cl, calls)
+    # every collective of the step, from the schedule the batch time was computed on
+    rows = [{"layer": cl.layer, "phase": cl.phase, "collective": cl.kind, "axis": cl.axis,
+             "group_size": int(np.ravel(g.size[cl.axis])[0]), "stride": int(np.ravel(g.stride[cl.axis])[0]),
+             "bytes": float(np.ravel(cl.nbytes)[0]), "busbw_gbs": float(np.ravel(g.busbw[cl.axis])[0]) / 1e9,
+             "time_per_call_s": float(np.ravel(cl.seconds)[0]), "calls_per_step": calls,
+             "total_s": float(np.ravel(cl.seconds)[0]) * calls}
+            for cl, calls in sched.collective_rows(0, ckpt)]
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
 
     wrows = []
-    for pass_name, rec in (("forward", d["fwd"]), ("backward", d["bwd_ckpt"] if ckpt else d["bwd"])):
+    for pass_name, rec in (("forward", st.records["forward"]),
+                           ("backward", st.records["backward_recompute" if ckpt else "backward"])):
         for w, t, count in rec:
-            comp = float(w.compute[0]) * count
-            total = float(np.asarray(t)[0]) * ga
+            comp = float(np.ravel(w.compute)[0]) * count
+            total = float(np.ravel(t)[0]) * ga
             wrows.append({"pass": pass_name, "layer": w.name, "count_per_micro_batch": count,
                           "compute_s": comp * ga, "window_s": total, "exposed_comm_s": max(total - comp * ga, 0.0)})
     windows = pd.DataFrame(wrows)
@@ -195,8 +170,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     memory.attrs["peak_at"] = where
     notes = [f"memory peaks at: {where}",
              f"grad_acc={ga} micro-batches of {int(one.micro_batch[0])} sequences per GPU per step",
-             (f"data-parallel gradient all-reduce and replicated parameters: {float(d['t_dp'][0]):.4g} s per step; "
-             f"optimizer: {float(d['t_opt'][0]):.4g} s"),
+             (f"data-parallel gradient all-reduce and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
+              f"s per step; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s"),
              "GEMM layouts: " + ("best of all layouts and forms (BLAS tuning)" if (p.blas_tuning if blas_tuning is None
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]
     if bool(ev1.extrapolated[0]):

@@ -1,0 +1,221 @@
+"""The schedule: one training step as the trainer issues it, op for op, on every candidate at once.
+
+A pass (forward; backward; backward with recompute) is a prefix of windows, a block of windows repeated
+once per transformer block, and a suffix. A window is one layer's work on the compute stream (GEMMs,
+attention, element-wise kernels and their launches) with the collectives around it: those the compute
+stream waits for, the dI all-reduce that runs beside the dW GEMM (OAR), and on the Z stream the weight
+all-gather the window needs and the gradient reduce-scatter it issues. The step adds the data-parallel
+collectives and the optimizer.
+
+Everything the planner reports derives from this one description: the batch time (timing.py), the
+compute and communication totals and call counts (here), explain's tables (rank.py); memory.py walks the
+same order for the peak. The trainer records what it ran (runtime Runtime.calls, runtime/optrace.py) and
+the tests compare it with this schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from axoplan.loop.launch import Overlap
+from axoplan.planner import comm
+from axoplan.planner import compute as work
+from axoplan.planner.comm import Collective
+from axoplan.planner.machine import MachineProfile
+from axoplan.planner.space import Candidates
+from axoplan.planner.specs import Job, ModelSpec
+
+# the trainer's defaults (one definition: the LaunchConfig's): the D all-reduce per bucket inside the last
+# backward, and at most this many reduce-scatters in flight
+OVERLAP_DP = Overlap().data_parallel
+MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
+
+
+@dataclass
+class Window:
+    """One layer's step: compute-stream seconds by op, and the collectives by how they meet the compute."""
+
+    name: str
+    compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> seconds per candidate
+    blocking: list = field(default_factory=list)  # collectives the compute stream waits for
+    beside_wgrad: list = field(default_factory=list)  # OAR: run beside this window's dW GEMM
+    wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
+    gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
+    scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
+
+    def compute_s(self):
+        return sum(self.compute.values())
+
+    def collectives(self) -> list[Collective]:
+        return self.blocking + self.beside_wgrad + self.gather + self.scatter
+
+
+@dataclass
+class Pass:
+    name: str
+    prefix: list
+    block: list  # repeated once per transformer block
+    suffix: list
+
+    def windows(self, n_blocks: int):
+        """(window, times per micro-batch) in the trainer's order, the block's windows once with their count."""
+        return [(w, 1) for w in self.prefix] + [(w, n_blocks) for w in self.block] + [(w, 1) for w in self.suffix]
+
+
+@dataclass
+class Schedule:
+    n_blocks: int
+    grad_acc: np.ndarray
+    checkpointing: np.ndarray  # which backward each candidate runs (broadcasts against the candidates)
+    forward: Pass
+    backward: Pass  # checkpointing off
+    backward_recompute: Pass  # checkpointing on: each block's forward again, then its backward
+    step: list  # per step, in the trainer's order: the data-parallel and other collectives (Collective.calls)
+    optimizer: np.ndarray  # seconds of the optimizer step (element-wise over the fp32 states)
+    buckets: comm.BucketPlan | None  # the D gradient all-reduce's buckets when it overlaps the last backward
+    groups: comm.Groups
+    extrapolated: np.ndarray  # some GEMM shape fell outside a measured table
+    elementwise: work.ElementwiseWork
+    shard_elems: np.ndarray  # fp32 elements of this rank's sharded parameters
+    replicated_elems: np.ndarray  # elements of the replicated parameters (norm weights, positions)
+    block_elems: list  # per block linear: elements of its [k/g_in, n/g_out] block before Z sharding
+    lm_elems: np.ndarray
+    emb_elems: np.ndarray
+
+    def passes(self, checkpointing: bool) -> tuple[Pass, Pass]:
+        return self.forward, (self.backward_recompute if checkpointing else self.backward)
+
+    def _per_micro_batch(self, value, checkpointing: bool):
+        total = 0.0
+        for p in self.passes(checkpointing):
+            for w, n in p.windows(self.n_blocks):
+                total = total + value(w) * n
+        return total
+
+    def compute_per_micro_batch(self):
+        """Compute-stream seconds of one micro-batch (forward, recompute where on, backward)."""
+        return np.where(self.checkpointing, self._per_micro_batch(Window.compute_s, True),
+                        self._per_micro_batch(Window.compute_s, False))
+
+    def comm_per_micro_batch(self):
+        """Seconds of every collective of one micro-batch, hidden or not."""
+        def seconds(w):
+            return sum(c.seconds for c in w.collectives())
+        return np.where(self.checkpointing, self._per_micro_batch(seconds, True),
+                        self._per_micro_batch(seconds, False))
+
+    def calls_per_micro_batch(self, checkpointing: bool = False):
+        """Collective calls of one micro-batch over groups of more than one GPU."""
+        def calls(w):
+            return sum((np.asarray(self.groups.size[c.axis]) > 1).astype(np.float64) for c in w.collectives())
+        return self._per_micro_batch(calls, checkpointing)
+
+    def collective_rows(self, i: int, checkpointing: bool) -> list[tuple[Collective, int]]:
+        """(collective, calls per step) of candidate i, every call of the step once, grouped by layer,
+        phase, kind, axis and size in the trainer's order (explain's collectives table)."""
+        ga = int(np.ravel(self.grad_acc)[i] if np.ndim(self.grad_acc) else self.grad_acc)
+        rows: dict = {}
+        for p in self.passes(checkpointing):
+            for w, n in p.windows(self.n_blocks):
+                for c in w.collectives():
+                    key = (c.layer, c.phase, c.kind, c.axis, float(np.ravel(c.nbytes)[i]))
+                    rows[key] = (rows[key][0], rows[key][1] + n * ga) if key in rows else (c, n * ga)
+        for j, c in enumerate(self.step):  # each bucket of the gradients its own row, as the trainer issues it
+            calls = int(np.ravel(c.calls)[i]) if np.ndim(c.calls) else int(c.calls)
+            if calls:
+                rows["step", j] = (c, calls)
+        return [v for v in rows.values() if int(np.ravel(self.groups.size[v[0].axis])[i]) > 1]
+
+
+def _backward(name, comp, blocking, ar_bwd, wgrad, gather, rs, overlap: bool) -> Window:
+    """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap."""
+    if overlap:
+        return Window(name, comp, blocking, [ar_bwd], wgrad, gather, [rs])
+    return Window(name, comp, [ar_bwd] + blocking, [], wgrad, gather, [rs])
+
+
+def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
+          tuning: bool, groups: comm.Groups) -> Schedule:
+    """The step of every candidate as the trainer runs it (ck: checkpointing, broadcasting against them)."""
+    S = job.seq_len
+    e = profile.dtype_bytes
+    gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
+    grad_acc = np.maximum(job.global_batch // np.maximum(gd * gz * mb, 1), 1)
+    T = (mb * S).astype(np.float64)
+    L = model.n_layers
+
+    # ---- compute: GEMMs, attention, element-wise kernels as the trainer issues them ------------------
+    lins = model.block_linears()
+    gem = [work.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
+    lm = model.lm_head()
+    gem_lm = work.linear_gemms(profile, lm, gx, gy, T, tuning)
+    attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
+    ew = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
+                               fused=profile.elementwise_kernels == "fused")
+    ew_f, ew_b = ew.block_fwd.seconds(profile), ew.block_bwd.seconds(profile)
+    casts = [w.seconds(profile) for w in ew.gather_casts]  # each layer's gathered weight cast, where it is used
+    extrapolated = np.zeros(len(c), dtype=bool)
+    for gm in gem + [gem_lm]:
+        extrapolated |= gm.extrapolated
+
+    # ---- collectives ---------------------------------------------------------------------------------
+    g = groups
+    col = [comm.linear_collectives(profile, g, lin, T, e) for lin in lins]
+    col_lm = comm.linear_collectives(profile, g, lm, T, e)
+    col_emb = comm.embedding_collectives(profile, g, model, T, e)
+    norm_f, norm_b = comm.norm_collectives(profile, g, model, T, "norm")
+    loss = list(comm.loss_collectives(profile, g, T))
+
+    # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual;
+    # the block's element-wise work is split between the two norm windows, as the trainer's order has it
+    attention_f = [{"attention": attn_f, "element-wise": ew_f / 2}, {}, {"element-wise": ew_f / 2}, {}]
+    norms = [True, False, True, False]
+
+    def fwd_window(i, suffix=""):
+        comp = {"gemm fwd": gem[i].fwd, **attention_f[i], "weight cast": casts[i]}
+        return Window(lins[i].name + suffix, comp, [col[i]["ar_fwd"]] + ([norm_f] if norms[i] else []),
+                      gather=[col[i]["ag"]])
+
+    fwd_block = [fwd_window(i) for i in range(4)]
+    emb_f = Window("embedding", {"element-wise": ew.emb_fwd.seconds(profile)}, [col_emb["ar_fwd"]],
+                   gather=[col_emb["ag"]])
+    lm_f = Window("lm_head", {"gemm fwd": gem_lm.fwd, "element-wise": ew.head_fwd.seconds(profile)},
+                  [col_lm["ar_fwd"], norm_f] + loss, gather=[col_lm["ag"]])
+
+    attention_b = [{"attention": attn_b, "element-wise": ew_b / 2}, {}, {"element-wise": ew_b / 2}, {}]
+
+    def bwd_window(i, with_gather):
+        comp = {"gemm dgrad": gem[i].dgrad, "gemm wgrad": gem[i].wgrad, **attention_b[i]}
+        if with_gather:
+            comp["weight cast"] = casts[i]
+        return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], col[i]["ar_bwd"], gem[i].wgrad,
+                         [col[i]["ag"]] if with_gather else [], col[i]["rs"], overlap)
+
+    lm_b = _backward("lm_head", {"gemm dgrad": gem_lm.dgrad, "gemm wgrad": gem_lm.wgrad,
+                                 "element-wise": ew.head_bwd.seconds(profile)},
+                     [norm_b], col_lm["ar_bwd"], gem_lm.wgrad, [col_lm["ag"]], col_lm["rs"], overlap)
+    emb_b = Window("embedding", {"element-wise": ew.emb_bwd.seconds(profile)}, scatter=[col_emb["rs"]])
+    plain = [bwd_window(i, True) for i in reversed(range(4))]
+    recompute = [fwd_window(i, " (recompute)") for i in range(4)]
+    ckpt = [bwd_window(i, False) for i in reversed(range(4))]
+
+    # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
+    block_elems = [(lin.k // (gx if not lin.transposed else gy)) * (lin.n // (gy if not lin.transposed else gx))
+                   for lin in lins]
+    lm_elems = (lm.k // gx) * (lm.n // gy)
+    emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
+    shard = (sum(comm.shard_elems(b, gz) for b in block_elems) * L + comm.shard_elems(lm_elems, gz)
+             + comm.shard_elems(emb_elems, gz))
+    replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
+    t_opt = work.optimizer_seconds(profile, work.step_work(model, gx, gy, gz, gd, mb, S, grad_acc, shard,
+                                                           work.fused_optimizer(profile)))
+    plan = None
+    if overlap and OVERLAP_DP:  # the trainer's buckets, one definition: comm.gradient_buckets
+        plan = comm.gradient_buckets(sum(comm.shard_elems(b, gz) for b in block_elems),
+                                     comm.shard_elems(lm_elems, gz), comm.shard_elems(emb_elems, gz), L)
+    step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
+                                          plan.rows if plan else None)
+    return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
+                    Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
+                    step, t_opt, plan, g, extrapolated, ew, shard, replicated, block_elems, lm_elems, emb_elems)
