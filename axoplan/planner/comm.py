@@ -85,6 +85,33 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
     return per_byte, fixed
 
 
+class _Coefficients(dict):
+    """per_byte[(axis, kind)], computed on first use: a step uses 7 of the 18 (axis, kind) pairs."""
+
+    def __init__(self, profile, size, busbw, lat, inside, stride):
+        super().__init__()
+        self.fixed = _Fixed(self)
+        self._args = (profile, size, busbw, lat, inside, stride)
+
+    def __missing__(self, key):
+        profile, size, busbw, lat, inside, stride = self._args
+        a, kind = key
+        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a], inside[a], stride[a])
+        return self[key]
+
+
+class _Fixed(dict):
+    """fixed[(axis, kind)], computed with per_byte."""
+
+    def __init__(self, per_byte):
+        super().__init__()
+        self._per_byte = per_byte
+
+    def __missing__(self, key):
+        self._per_byte[key]  # computes both
+        return self[key]
+
+
 def place(profile: MachineProfile, c: Candidates) -> Groups:
     """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
     together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
@@ -102,18 +129,14 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         busbw[name] = np.min([busbw[a] for a in axes], axis=0)
         lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
         inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
-    per_byte, fixed = {}, {}
-    for a, sz in size.items():
-        for kind in KINDS:
-            per_byte[a, kind], fixed[a, kind] = _ring_coefficients(profile, kind, sz, busbw[a], lat[a],
-                                                                    inside[a], stride[a])
+    per_byte = _Coefficients(profile, size, busbw, lat, inside, stride)
     shapes = None
     if profile.coll_table is not None:
         shapes = {}
         for a, sz in size.items():
             pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
-    return Groups(size, stride, busbw, lat, per_byte, fixed, shapes)
+    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes)
 
 
 def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:

@@ -43,9 +43,12 @@ class Window:
     wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
     gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
     scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
+    _compute: object = field(default=None, repr=False)
 
     def compute_s(self):
-        return sum(self.compute.values())
+        if self._compute is None:  # the timing, the totals and the CPU burst all read it
+            self._compute = sum(self.compute.values())
+        return self._compute
 
     def collectives(self) -> list[Collective]:
         return self.blocking + self.beside_wgrad + self.gather + self.scatter
