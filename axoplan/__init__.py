@@ -3,6 +3,20 @@ bundled trainer, and emit launch configs. The planner imports no torch."""
 
 __version__ = "0.1.0"
 
-from axoplan.planner.rank import explain, rank  # noqa: E402  (the public API: axoplan.rank(...), axoplan.explain(...))
-
 __all__ = ["rank", "explain", "__version__"]
+
+
+def __getattr__(name):
+    """The public API, axoplan.rank(...) and axoplan.explain(...), imported on first use so that
+    `import axoplan` (and every command) does not pay for the planner and pandas."""
+    if name in ("rank", "explain"):
+        from axoplan.planner import rank as _rank
+
+        value = getattr(_rank, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"rank", "explain"})

@@ -2,36 +2,37 @@
 from __future__ import annotations
 
 import io
-import json
 import time
 
 import click
-import pandas as pd
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from axoplan import inputs
-from axoplan.atomic import atomic_write_text
 from axoplan.errors import UserError
 from axoplan.loop.launch import ORDERS
 from axoplan.planner.machine import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
 from axoplan.planner.rank import explain as explain_api
-from axoplan.planner.rank import rank as rank_api
+from axoplan.planner.rank import ranking as rank_api
 from axoplan.planner.specs import load_model, preset_names
 
 
 def _console(buf: io.StringIO | None = None) -> Console:
+    # emoji=False: a table of numbers and names never turns ':name:' into an emoji (nor loads rich's emoji codes)
     if buf is not None:
-        return Console(file=buf, width=160, color_system=None, highlight=False)
+        return Console(file=buf, width=160, color_system=None, highlight=False, emoji=False)
     import sys
 
     # piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column fallback
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    return Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _emit(text: str, output: str | None) -> None:
     if output:
+        from axoplan.atomic import atomic_write_text
+
         atomic_write_text(output, text)
         click.echo(f"wrote {output}", err=True)
     else:
@@ -95,25 +96,30 @@ def _common(f):
     return f
 
 
-def _table(df: pd.DataFrame, title: str) -> Table:
+def _table(cols, title: str) -> Table:
+    """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table."""
     t = Table(title=title)
-    cols = ["rank", "gx x gy x gz x gdata", "order", "mbs", "ckpt", "batch s", "compute s", "exposed comm s",
-            "mem GiB", "TFLOP/s/GPU", "% peak"]
-    if not df["feasible"].all():
-        cols.append("reason")
-    for col in cols:
+    heads = ["rank", "gx x gy x gz x gdata", "order", "mbs", "ckpt", "batch s", "compute s", "exposed comm s",
+             "mem GiB", "TFLOP/s/GPU", "% peak"]
+    reasons = not np.all(cols["feasible"])
+    if reasons:
+        heads.append("reason")
+    for col in heads:
         t.add_column(col, justify="right" if col not in ("order", "reason") else "left")
-    for r in df.itertuples(index=False):
-        row = ["-" if pd.isna(r.rank) else str(r.rank), f"{r.gx} x {r.gy} x {r.gz} x {r.gdata}", r.order,
-               str(r.micro_batch), "on" if r.checkpointing else "off", f"{r.batch_time_s:.4g}", f"{r.compute_s:.4g}",
-               f"{r.exposed_comm_s:.4g}", f"{r.memory_gib:.1f}", f"{r.tflops_per_gpu:.1f}", f"{r.pct_of_peak:.1f}"]
-        if "reason" in cols:
-            row.append(r.reason)
+    names = ("rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
+             "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason")
+    for rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why in zip(*(cols[n] for n in names)):
+        row = [str(rk) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order, str(mbs), "on" if ckpt else "off",
+               f"{bt:.4g}", f"{comp:.4g}", f"{exp:.4g}", f"{mem:.1f}", f"{tf:.1f}", f"{pct:.1f}"]
+        if reasons:
+            row.append(why)
         t.add_row(*row)
     return t
 
 
-def _format(df: pd.DataFrame, fmt: str) -> str:
+def _format(df, fmt: str) -> str:
+    import json
+
     if fmt == "csv":
         return df[COLUMNS].to_csv(index=False)
     recs = json.loads(df[COLUMNS].to_json(orient="records"))
@@ -136,20 +142,18 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
     if top is not None and top <= 0:
         raise UserError(f"--top must be a positive integer, got {top}")
     t0 = time.perf_counter()
-    df = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
-                  include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,
-                  checkpointing=checkpointing)
+    r = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
+                 include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,
+                 checkpointing=checkpointing)
     dt = time.perf_counter() - t0
     if fmt != "table":
-        _emit(_format(df, fmt), output)
+        _emit(_format(r.frame(), fmt), output)
         return
-    m, p = load_model(model), load_profile(machine)
-    title = (f"{m.name} on {gpus} x {p.name} GPUs, global batch {global_batch} x "
-             f"{seq_len if seq_len is not None else m.seq_len} tokens: "
-             f"{df.attrs['candidates']} candidates, {df.attrs['feasible']} feasible, ranked in {dt * 1e3:.0f} ms")
-    parts = [_table(df, title)]
-    if df.attrs.get("extrapolated_gemms"):
-        parts.append(f"note: {df.attrs['extrapolated_gemms']} listed configurations use GEMM shapes outside the "
+    title = (f"{r.model.name} on {gpus} x {r.profile.name} GPUs, global batch {global_batch} x {r.job.seq_len} tokens: "
+             f"{r.candidates} candidates, {r.feasible} feasible, ranked in {dt * 1e3:.0f} ms")
+    parts = [_table(r.columns, title)]
+    if r.extrapolated_gemms:
+        parts.append(f"note: {r.extrapolated_gemms} listed configurations use GEMM shapes outside the "
                      f"profile's measured table (extrapolated)")
     if no_overlap:
         parts.append("overlap (OAR/ORS/OAG) modelled as off")
@@ -191,6 +195,8 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
     ex = explain_api(model, machine, gpus, global_batch, parse_grid(grid), order=order, seq_len=seq_len,
                      micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap)
     if fmt == "json":
+        import json
+
         out = {"summary": json.loads(ex.summary[COLUMNS].to_json(orient="records"))[0],
                "collectives": json.loads(ex.collectives.to_json(orient="records")),
                "windows": json.loads(ex.windows.to_json(orient="records")),

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from axoplan import inputs
 from axoplan.planner.batch import Evaluation, evaluate
@@ -16,6 +16,9 @@ from axoplan.loop.launch import ORDERS
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
 from axoplan.planner.space import Candidates, enumerate_space
 from axoplan.planner.specs import Job, ModelSpec, load_model
+
+if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it
+    import pandas as pd
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason"]
@@ -34,19 +37,51 @@ def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
     return out
 
 
-def _frame(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile) -> pd.DataFrame:
+def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile) -> dict:
+    """The rows `idx` as numpy columns, COLUMNS in order; `rank` counts rows from 1 and means
+    nothing where `feasible` is false (the DataFrame holds NA there)."""
     tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
-    df = pd.DataFrame({
+    return {
+        "rank": np.arange(1, len(idx) + 1),
         "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
         "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
         "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
         "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
         "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
         "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
-    })
-    ranks = pd.Series(np.arange(1, len(df) + 1), dtype="Int64").where(df["feasible"].to_numpy(), pd.NA)
+    }
+
+
+def _frame(columns: dict) -> pd.DataFrame:
+    import pandas as pd
+
+    df = pd.DataFrame({k: v for k, v in columns.items() if k != "rank"})
+    ranks = pd.Series(columns["rank"], dtype="Int64").where(df["feasible"].to_numpy(), pd.NA)
     df.insert(0, "rank", ranks)
     return df.reset_index(drop=True)
+
+
+@dataclass
+class Ranking:
+    """rank()'s rows as numpy columns (`columns`: COLUMNS, in order) with what they were ranked for;
+    frame() is the DataFrame rank() returns."""
+    columns: dict
+    model: ModelSpec
+    profile: MachineProfile
+    job: Job
+    candidates: int  # in the space
+    feasible: int  # in the space
+    extrapolated_gemms: int  # listed feasible rows with GEMM shapes outside the profile's table
+
+    def __len__(self) -> int:
+        return len(self.columns["rank"])
+
+    def frame(self) -> pd.DataFrame:
+        df = _frame(self.columns)
+        df.attrs["extrapolated_gemms"] = self.extrapolated_gemms
+        df.attrs["candidates"] = self.candidates
+        df.attrs["feasible"] = self.feasible
+        return df
 
 
 def _nothing_feasible(ev: Evaluation, c: Candidates, model: ModelSpec, profile: MachineProfile, job: Job) -> UserError:
@@ -87,6 +122,16 @@ def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, globa
     candidate with its reason. Raises UserError when nothing is feasible and infeasible rows were
     not asked for.
     """
+    return ranking(model, machine, gpus, global_batch, seq_len=seq_len, top=top,
+                   include_infeasible=include_infeasible, order=order, micro_batch=micro_batch, overlap=overlap,
+                   checkpointing=checkpointing, blas_tuning=blas_tuning, max_micro_batch=max_micro_batch).frame()
+
+
+def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
+            seq_len: int | None = None, top: int | None = None, include_infeasible: bool = False, order: str = "all",
+            micro_batch: int | None = None, overlap: bool = True, checkpointing: str = "both",
+            blas_tuning: bool | None = None, max_micro_batch: int = 64) -> Ranking:
+    """rank() before the DataFrame: the same rows as numpy columns (see rank for the arguments)."""
     if top is not None and top <= 0:
         raise UserError(f"top must be a positive integer, got {top}")
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
@@ -105,11 +150,8 @@ def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, globa
     if include_infeasible:
         inf = np.nonzero(~ev.feasible)[0]
         idx = np.concatenate([feas, inf[np.argsort(ev.batch_time[inf], kind="stable")]])
-    df = _frame(ev, c, idx, p)
-    df.attrs["extrapolated_gemms"] = int(ev.extrapolated[feas].sum())
-    df.attrs["candidates"] = len(c)
-    df.attrs["feasible"] = int(ev.feasible.sum())
-    return df
+    return Ranking(_columns(ev, c, idx, p), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
+                   extrapolated_gemms=int(ev.extrapolated[feas].sum()))
 
 
 @dataclass
@@ -127,6 +169,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             blas_tuning: bool | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
     fastest feasible choice for this grid and order."""
+    import pandas as pd
+
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid))
@@ -136,7 +180,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
     ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True)
-    summary = _frame(ev1, one, np.array([0]), p)
+    summary = _frame(_columns(ev1, one, np.array([0]), p))
     d = ev1.detail
     sched, st = d["schedule"], d["time"]
     ga = int(np.ravel(sched.grad_acc)[0])
