@@ -200,21 +200,33 @@ def _bounds(params, runs: RunSet):
     return np.array(lo), np.array(hi)
 
 
+def _differences(profile: MachineProfile, runs: RunSet, params, base: np.ndarray,
+                 hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One-sided finite differences of log(predicted) at the profile's corrections, x in the fit's
+    units: (differences [runs, params], signed steps [params]). A step is 0.05 for a scale (log),
+    0.1 for a share, 10% of the median measured step for an overhead, taken downwards where upwards
+    would pass hi."""
+    x0 = _to_x(profile, profile.corrections, params)
+    D = np.empty((len(runs), len(params)))
+    steps = np.empty(len(params))
+    for j, k in enumerate(params):
+        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
+        if x0[j] + h > hi[j]:
+            h = -h
+        x = x0.copy()
+        x[j] += h
+        D[:, j] = np.log(predict(profile, runs, _to_corr(x, params))) - base
+        steps[j] = h
+    return D, steps
+
+
 def sensitivity(profile: MachineProfile, runs: RunSet, params=PARAMS) -> np.ndarray:
     """d log(predicted) per unit of each parameter at the profile's corrections: per e-fold for the
     scales, per (10% of the median measured step) for the overheads, per 0.1 for the shares. [runs, params]."""
-    base = np.log(predict(profile, runs))
-    x0 = _to_x(profile, profile.corrections, params)
-    J = np.empty((len(runs), len(params)))
-    for j, k in enumerate(params):
-        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
-        if k in UNIT_PARAMS and x0[j] + h > 1.0:
-            h = -h  # stay inside [0, 1]
-        x = x0.copy()
-        x[j] += h
-        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, params))) - base) / (h if k in SCALE_PARAMS else
-                                                                                     np.sign(h))
-    return J
+    # only a share has a bound the step must respect here: [0, 1]
+    hi = np.array([1.0 if k in UNIT_PARAMS else np.inf for k in params])
+    D, h = _differences(profile, runs, params, np.log(predict(profile, runs)), hi)
+    return D / np.where([k in SCALE_PARAMS for k in params], h, np.sign(h))
 
 
 def choose_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, min_effect: float = 0.02) -> list[str]:
@@ -268,14 +280,8 @@ def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, scre
         return []
     x0 = _to_x(profile, profile.corrections, pool)
     lo, hi = _bounds(pool, runs)
-    J = np.empty((n, len(pool)))  # d log(predicted) / dx, x in the fit's own units
-    for j, k in enumerate(pool):
-        h = 0.05 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else 0.1 * float(np.median(runs.measured))
-        if x0[j] + h > hi[j]:
-            h = -h
-        x = x0.copy()
-        x[j] += h
-        J[:, j] = (np.log(predict(profile, runs, _to_corr(x, pool))) - base) / h
+    D, h = _differences(profile, runs, pool, base, hi)
+    J = D / h  # d log(predicted) / dx, x in the fit's own units
     scored = []
     for k in range(1, min(max_params(n), len(pool)) + 1):
         for sub in combinations(range(len(pool)), k):
