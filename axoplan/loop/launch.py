@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
-from axoplan import inputs
+from axoplan import inputs, slurm
 from axoplan.errors import UserError
 from axoplan.shell import check_script, comment, env_name, quote, safe_line
-from axoplan.shell import slug as _slug
 from axoplan.yamlio import load_yaml
 
 ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
@@ -339,20 +337,6 @@ def torchrun_script(cfg: LaunchConfig, profile) -> str:
     return check_script("\n".join(lines) + "\n")
 
 
-def _directive_safe(s: str) -> bool:
-    # #SBATCH lines are not parsed by a shell: only plain characters are safe in them
-    return bool(s) and all((c.isascii() and c.isalnum()) or c in "._-/" for c in s)
-
-
-
-
-def slurm_time(seconds: float) -> str:
-    s = 60 * max(1, int(np.ceil(seconds / 60)))  # whole minutes
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h:02d}:{m:02d}:{sec:02d}"
-
-
 def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: float = 3600.0,
                  job_name: str | None = None) -> str:
     """An sbatch script: nodes = ceil(G / gpus_per_node), one task per GPU, srun starts the ranks and
@@ -361,40 +345,29 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
     g = cfg.grid.size
     nodes, per = nodes_for(g, profile.gpus_per_node)
     rd = str(Path(run_dir).resolve())
-    name = _slug(job_name or f"axoplan-{Path(cfg.model).stem}-{cfg.grid.gx}x{cfg.grid.gy}x{cfg.grid.gz}x{cfg.grid.gdata}-{cfg.order}")
-    lines = ["#!/bin/bash",
-             f"#SBATCH --job-name={name}",
-             f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks={g}",
-             f"#SBATCH --ntasks-per-node={per}"]
-    if not is_cpu_profile(profile):
-        lines.append(f"#SBATCH --gpus-per-node={per}")
-    lines.append(f"#SBATCH --time={slurm_time(time_limit_s)}")
-    if _directive_safe(rd):
-        lines.append(f"#SBATCH --output={rd}/slurm-%j.out")
-    else:
-        lines.append("# (no --output directive: the run directory's path has characters #SBATCH cannot quote;")
-        lines.append("#  Slurm writes slurm-<jobid>.out in the directory sbatch was called from)")
+    about = [comment(f"axoplan: {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
+                     f"gdata={cfg.grid.gdata} (order {cfg.order}) on {nodes} node(s) x {per} "
+                     f"{'process(es)' if is_cpu_profile(profile) else 'GPU(s)'} of {profile.name}.",
+                     "the model path or the machine profile's name"),
+             f"# Submit with: sbatch {SLURM_NAME}"]
+    lines = slurm.header(
+        job_name=job_name or f"axoplan-{Path(cfg.model).stem}-{cfg.grid.gx}x{cfg.grid.gy}x{cfg.grid.gz}x{cfg.grid.gdata}-{cfg.order}",
+        nodes=nodes, ntasks=g, ntasks_per_node=per, gpus_per_node=None if is_cpu_profile(profile) else per,
+        time_s=time_limit_s, log_dir=rd, log_name="slurm-%j.out", about=about)
     lines += [
-        comment(f"axoplan: {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
-                f"gdata={cfg.grid.gdata} (order {cfg.order}) on {nodes} node(s) x {per} "
-                f"{'process(es)' if is_cpu_profile(profile) else 'GPU(s)'} of {profile.name}.",
-                "the model path or the machine profile's name"),
-        "# Submit with: sbatch launch_slurm.sbatch   (add your account/partition/QoS options as usual)",
-        "set -euo pipefail",
         "# shellcheck disable=SC2016  # the quoted path is literal on purpose",
         f"RUN_DIR={quote(rd, 'the run folder path')}",
         'cd "$RUN_DIR"',
         'PYTHON="${PYTHON:-python3}"',
         "# torch's env:// rendezvous: the first node of the allocation hosts the store",
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        slurm.head_node("MASTER_ADDR"),
         'export MASTER_ADDR',
         'export MASTER_PORT="${MASTER_PORT:-29500}"',
         *_env_lines(launch_env(profile)),
         f'srun --ntasks={g} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
         f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}"',
     ]
-    return check_script("\n".join(lines) + "\n")
+    return slurm.script(lines, "an emitted script")
 
 
 def _fmt_row(r) -> str:

@@ -35,13 +35,11 @@ from axoplan.errors import UserError
 from axoplan.loop.launch import (
     CONFIG_NAME,
     TORCHRUN_NAME,
-    _directive_safe,
     _env_lines,
     config_from_row,
     is_cpu_profile,
     launch_env,
     nodes_for,
-    slurm_time,
     write_run_dir,
 )
 from axoplan.planner.rank import COLUMNS
@@ -512,42 +510,33 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
 
 
 def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
-    from axoplan import shell
+    from axoplan import shell, slurm
     from axoplan.planner.machine import load_profile
 
     profile = load_profile(sw.machine)
     nodes, per = nodes_for(sw.gpus, profile.gpus_per_node)
     ids = list(plan["candidate"])
-    lines = ["#!/bin/bash",
-             "#SBATCH --job-name=axoplan-validate",
-             f"#SBATCH --array=0-{len(ids) - 1}",
-             f"#SBATCH --nodes={nodes}",
-             f"#SBATCH --ntasks={sw.gpus}",
-             f"#SBATCH --ntasks-per-node={per}"]
-    if not is_cpu_profile(profile):
-        lines.append(f"#SBATCH --gpus-per-node={per}")
-    lines.append(f"#SBATCH --time={slurm_time(sw.timeout_s)}")
-    if _directive_safe(str(out)):
-        lines.append(f"#SBATCH --output={out}/runs/slurm-%A_%a.out")
     where = "the sweep folder"
-    lines += [shell.comment(f"axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task."),
-              shell.comment(f"Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
-                            f"{shell.quote(str(out), where)}"),
-              "set -euo pipefail",
-              "# shellcheck disable=SC2016  # quoted paths are literal on purpose",
+    about = [shell.comment(f"axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task."),
+             shell.comment(f"Submit: sbatch {ARRAY_FILE}; when the array has finished: axoplan validate --collect "
+                           f"{shell.quote(str(out), where)}")]
+    lines = slurm.header(job_name="axoplan-validate", array=len(ids), nodes=nodes, ntasks=sw.gpus,
+                         ntasks_per_node=per, gpus_per_node=None if is_cpu_profile(profile) else per,
+                         time_s=sw.timeout_s, log_dir=out / "runs", log_name="slurm-%A_%a.out", about=about)
+    lines += ["# shellcheck disable=SC2016  # quoted paths are literal on purpose",
               f"OUT={shell.quote(str(out), where)}",
               "RUNS=(" + shell.join(ids, "a candidate name") + ")",
               'RUN_DIR="$OUT/runs/${RUNS[$SLURM_ARRAY_TASK_ID]}"',
               'cd "$RUN_DIR"',
               'PYTHON="${PYTHON:-python3}"',
-              'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+              slurm.head_node("MASTER_ADDR"),
               "export MASTER_ADDR",
               "# array tasks may share a node: one port each",
               'export MASTER_PORT="$((29500 + SLURM_ARRAY_TASK_ID % 1000))"',
               *_env_lines(launch_env(profile)),
               f'srun --ntasks={sw.gpus} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
               f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}" > "$RUN_DIR/{LOG_NAME}" 2>&1']
-    path = atomic_write_text(out / ARRAY_FILE, shell.check_script("\n".join(lines) + "\n", "the Slurm array"))
+    path = atomic_write_text(out / ARRAY_FILE, slurm.script(lines, "the Slurm array"))
     os.chmod(path, 0o755)
     return path
 

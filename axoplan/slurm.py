@@ -1,0 +1,63 @@
+"""The one writer of Slurm batch scripts: emit's training run (loop/launch.py), validate's job array
+(loop/validate.py) and calibration across nodes (calibrate/slurm.py) share the #SBATCH header, the
+preamble and the final check here; each adds only its own body. Values go in through axoplan.shell."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from axoplan.shell import check_script, slug
+
+def slurm_time(seconds: float) -> str:
+    """--time as HH:MM:SS, rounded up to whole minutes (at least one)."""
+    s = 60 * max(1, math.ceil(seconds / 60))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h:02d}:{m:02d}:{sec:02d}"
+
+
+def directive_safe(s: str) -> bool:
+    # #SBATCH lines are not parsed by a shell: only plain characters are safe in them
+    return bool(s) and all((c.isascii() and c.isalnum()) or c in "._-/" for c in s)
+
+
+def head_node(var: str) -> str:
+    """The assignment of the allocation's first node's host name to var (where rendezvous is hosted)."""
+    return f'{var}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+
+
+def header(*, job_name: str, nodes: int, ntasks_per_node: int, gpus_per_node: int | None, time_s: float,
+           log_dir: str | Path | None, log_name: str, about: list[str], ntasks: int | None = None,
+           array: int | None = None, exclusive: bool = False) -> list[str]:
+    """The lines every batch script starts with: the shebang, `about` (comment lines, written by the
+    caller through shell.comment), the #SBATCH directives, the account/partition lines to fill in,
+    then the preamble. gpus_per_node is None for a CPU job (no --gpus-per-node); array is the number
+    of array tasks; the log goes to log_dir/log_name (log_name alone: the folder sbatch is called
+    from), left to Slurm's default when log_dir has characters a directive cannot hold."""
+    lines = ["#!/bin/bash", *about, f"#SBATCH --job-name={slug(job_name)}"]
+    if array is not None:
+        lines.append(f"#SBATCH --array=0-{array - 1}")
+    lines.append(f"#SBATCH --nodes={nodes}")
+    if ntasks is not None:
+        lines.append(f"#SBATCH --ntasks={ntasks}")
+    lines.append(f"#SBATCH --ntasks-per-node={ntasks_per_node}")
+    if gpus_per_node is not None:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if exclusive:
+        lines.append("#SBATCH --exclusive")
+    lines.append(f"#SBATCH --time={slurm_time(time_s)}")
+    if log_dir is None:
+        lines.append(f"#SBATCH --output={log_name}")
+    elif directive_safe(str(log_dir)):
+        lines.append(f"#SBATCH --output={log_dir}/{log_name}")
+    else:
+        lines += ["# (no --output directive: the folder's path has characters #SBATCH cannot quote;",
+                  "#  Slurm writes its log in the folder sbatch was called from)"]
+    return lines + ["##SBATCH --account=YOUR_ACCOUNT   (uncomment and fill in what your site requires)",
+                    "##SBATCH --partition=YOUR_PARTITION",
+                    "set -euo pipefail"]
+
+
+def script(lines: list[str], what: str) -> str:
+    """The whole script from its lines, every one checked to be printable text (see shell.check_script)."""
+    return check_script("\n".join(lines) + "\n", what)
