@@ -146,23 +146,23 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
              micro_batch, checkpointing, out, resume, slurm, collect_dir):
     """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
-    from axoplan.loop import validate as V
+    from axoplan.loop import validate as sweeps
 
     if collect_dir is not None:
         if not Path(collect_dir).is_dir():
             raise UserError(f"--collect: '{collect_dir}' is not a folder")
-        V.collect(collect_dir, echo=click.echo)
+        sweeps.collect(collect_dir, echo=click.echo)
         return
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
-    sw = V.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
+    sw = sweeps.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
                  micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)
     if slurm:
-        path = V.write_slurm_array(sw, out)
+        path = sweeps.write_slurm_array(sw, out)
         click.echo(f"wrote {path} and one run directory per candidate under {Path(out) / 'runs'}")
         click.echo(f"submit: sbatch {shlex.quote(str(path))}; then: axoplan validate --collect {shlex.quote(str(out))}")
         return
-    V.run_sweep(sw, out, resume=resume, echo=click.echo)
+    sweeps.run_sweep(sw, out, resume=resume, echo=click.echo)
 
 
 # ---- refit ------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
     """The cost model's element-wise work of the same step, per phase: {phase: compute.Work}. fake: as
     count_step sees it, without the step's two host reads of its metrics (a fake tensor holds no value,
     so Trainer._item dispatches nothing)."""
-    from axoplan.planner import compute as K
+    from axoplan.planner import compute
     from axoplan.planner.comm import shard_elems
     from axoplan.planner.specs import load_model
 
@@ -197,14 +197,14 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
     S = cfg.seq_len or spec.seq_len
     grad_acc = cfg.global_batch // (g.gdata * g.gz * cfg.micro_batch)
     e = 2 if dtype == "bf16" else 4
-    work = K.elementwise_work(spec, g.gx, g.gy, g.gz, cfg.micro_batch, S, e, grad_acc,
+    work = compute.elementwise_work(spec, g.gx, g.gy, g.gz, cfg.micro_batch, S, e, grad_acc,
                               prefetch=cfg.overlap.all_gather)
     out = work.phases(spec.n_layers, cfg.checkpointing, grad_acc)
     blocks = [(lin.k // (g.gy if lin.transposed else g.gx)) * (lin.n // (g.gx if lin.transposed else g.gy))
               for lin in spec.block_linears()]
     v, h = spec.padded_vocab // g.gy, spec.hidden // g.gx
     shard = sum(shard_elems(b, g.gz) for b in blocks) * spec.n_layers + 2 * shard_elems(v * h, g.gz)
-    out["step"] = K.step_work(spec, g.gx, g.gy, g.gz, g.gdata, cfg.micro_batch, S, grad_acc, shard, fused_optimizer)
+    out["step"] = compute.step_work(spec, g.gx, g.gy, g.gz, g.gdata, cfg.micro_batch, S, grad_acc, shard, fused_optimizer)
     if fake:
-        out["step"] = out["step"] + K.Work(-16, -2)
+        out["step"] = out["step"] + compute.Work(-16, -2)
     return out
