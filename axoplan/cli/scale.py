@@ -1,7 +1,6 @@
 """`axoplan scale`: the best configuration, speed, efficiency and time to train across GPU counts."""
 from __future__ import annotations
 
-import io
 import json
 import math
 import sys
@@ -10,8 +9,8 @@ import click
 import numpy as np
 import pandas as pd
 
-from axoplan import inputs
-from axoplan.atomic import atomic_write_bytes, atomic_write_text, check_writable
+from axoplan import inputs, plots
+from axoplan.atomic import atomic_write_text, check_writable
 from axoplan.errors import UserError
 from axoplan.loop.launch import ORDERS
 from axoplan.studies.scale import (
@@ -73,13 +72,10 @@ def render(df: pd.DataFrame, fmt: str) -> str:
     return _table(df) + "\n"
 
 
-def plot_png(df: pd.DataFrame, title: str) -> bytes:
+def write_plot(df: pd.DataFrame, title: str, path: str) -> None:
     """Time per batch (with the ideal 1/GPUs line) and parallel efficiency against GPUs, log axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    plt = plots.pyplot()
+    from matplotlib.ticker import NullFormatter
 
     ok = df[df["feasible"].astype(bool)].sort_values("gpus")
     g = ok["gpus"].to_numpy(dtype=float)
@@ -112,13 +108,10 @@ def plot_png(df: pd.DataFrame, title: str) -> bytes:
     for ax in (a1, a2):  # tick at each planned count, written plainly (no 2x10^2 minor labels)
         ax.set_xticks(g)
         ax.set_xticklabels([f"{int(x)}" for x in g], rotation=45 if len(g) > 8 else 0, fontsize=8)
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    plots.save_png(fig, path)
 
 
 def _progress(i, n, row):
@@ -176,5 +169,5 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
     else:
         click.echo(text, nl=False)
     if plot:
-        atomic_write_bytes(plot, plot_png(df, title))
+        write_plot(df, title, plot)
         click.echo(f"plot written to {plot}", err=True)

@@ -2,12 +2,12 @@
 (Kendall tau, Spearman rho, top-1/top-3, regret, error), in the manner of the AxoNN paper's Figure 2."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from axoplan import plots
 from axoplan.loop.validate_files import INFRA, STATUSES
 
 
@@ -76,11 +76,7 @@ def format_score(s: dict) -> str:
 def plot(results: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Left: measured (and predicted) time per batch against predicted rank, failed runs marked on the
     axis; right: predicted against measured with the y = x line. As AxoNN's Figure 2 (SC24)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     df = results.sort_values(["batch_time_s", "rank"], kind="stable").reset_index(drop=True)
     pos = np.arange(1, len(df) + 1)
     ok = (df["status"] == "ok").to_numpy() & df["measured_time_s"].notna().to_numpy()
@@ -116,9 +112,4 @@ def plot(results: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    from axoplan.atomic import atomic_write_bytes
-
-    return atomic_write_bytes(path, buf.getvalue())
+    return plots.save_png(fig, path)

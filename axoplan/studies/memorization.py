@@ -37,10 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from axoplan import inputs
+from axoplan import inputs, plots
 from axoplan.atomic import (
     append_line,
-    atomic_write_bytes,
     atomic_write_text,
     check_writable,
     ensure_dir,
@@ -486,7 +485,7 @@ def run_study(s: StudySettings, echo=print) -> dict:
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "per_document.csv", per_document_csv(docs, runs))
     atomic_write_text(out / "generations.jsonl", generations_jsonl(docs, runs))
-    atomic_write_bytes(out / "memorization.png", plot_png(summary))
+    write_plot(summary, out / "memorization.png")
     return summary
 
 
@@ -574,12 +573,9 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_png(summary: dict) -> bytes:
+def write_plot(summary: dict, path: Path) -> None:
     """Exact match and RougeL against repeats for both losses (bars when measured at one repeat count)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
 
     k = summary["goldfish"]["k"]
     series = (("standard", "standard loss", "o-"), ("goldfish_loss", f"goldfish loss (k={k})", "s-"))
@@ -609,10 +605,7 @@ def plot_png(summary: dict) -> bytes:
     fig.suptitle(f"{summary['model']}: {summary['documents']} documents of {summary['document_tokens']} tokens, "
                  f"greedy decoding of the last {summary['suffix_tokens']}")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    plots.save_png(fig, path, dpi=100)
 
 
 if __name__ == "__main__":  # torchrun -m axoplan.studies.memorization JOB.json (started by run_study)

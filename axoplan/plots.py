@@ -1,0 +1,29 @@
+"""The one way axoplan draws a plot: matplotlib is imported only when a plot is asked for (planning
+never pays for it), on the Agg backend (login and compute nodes have no display), and the PNG is
+written atomically through axoplan.atomic like every other output."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from axoplan.atomic import write_output
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Render fig as a PNG, close it, and write it to path atomically."""
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
+    return write_output(path, buf.getvalue())
