@@ -4,7 +4,8 @@ from __future__ import annotations
 import random
 
 from axoplan.calibrate.collectives import crosses_nodes, group_shapes
-from axoplan.calibrate.fit import COLLECTIVES, ring_steps, ring_volume
+from axoplan.calibrate.fit import COLLECTIVES
+from axoplan.planner.comm import ring_steps, ring_volume
 from axoplan.calibrate.results_io import ResultsDir
 
 ALPHA = 30e-6  # s per ring step

@@ -15,22 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
+from axoplan.planner.comm import ring_steps, ring_volume
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def ring_steps(collective: str, p: int) -> int:
-    if collective == "all_reduce":
-        return 2 * (p - 1)
-    if collective in ("all_gather", "reduce_scatter"):
-        return p - 1
-    raise ValueError(f"unknown collective {collective!r}")
-
-
-def ring_volume(collective: str, p: int, nbytes: float) -> float:
-    """Bytes each rank sends in a ring collective whose (total) message is `nbytes`:
-    all-reduce 2(p−1)/p·bytes, all-gather / reduce-scatter (p−1)/p·total bytes."""
-    factor = 2.0 if collective == "all_reduce" else 1.0
-    return factor * (p - 1) / p * nbytes
 
 
 def busbw(collective: str, p: int, nbytes: float, seconds: float) -> float:

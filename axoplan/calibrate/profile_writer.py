@@ -24,10 +24,9 @@ from axoplan.calibrate.fit import (
     fit_dim_half,
     fit_line,
     geomean,
-    ring_steps,
-    ring_volume,
 )
 from axoplan.calibrate.results_io import ResultsDir, ResultsError
+from axoplan.planner.comm import ring_steps, ring_volume
 
 GIB = 2**30
 SCHEMA = "axoplan-profile/1"

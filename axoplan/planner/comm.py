@@ -38,6 +38,22 @@ class Groups:
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
+def ring_steps(kind: str, p):
+    """Steps of a ring collective over p: all-reduce 2(p-1), all-gather and reduce-scatter p-1."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}")
+    return (2 if kind == "all_reduce" else 1) * (p - 1)
+
+
+def ring_volume(kind: str, p, nbytes):
+    """Bytes each rank sends in a ring collective of `nbytes` (nccl-tests conventions: an all-reduce's
+    per-GPU buffer, an all-gather's gathered buffer, a reduce-scatter's input): 2(p-1)/p of it for an
+    all-reduce, (p-1)/p for the others. The one ring cost: the planner, its measured tables and calibration."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}")
+    return (2.0 if kind == "all_reduce" else 1.0) * (p - 1) / np.maximum(p, 1) * nbytes
+
+
 def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndarray]:
     """(members per node, nodes spanned) of groups of p members `stride` GPUs apart."""
     p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
@@ -71,16 +87,15 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
     cheaper step count is used there (it only matters for small messages over large groups).
     A profile with network.latency_model 'nccl' takes nccl_latency instead of steps x latency."""
     p = np.asarray(p, dtype=np.float64)
-    hops = 2.0 if kind == "all_reduce" else 1.0
-    per_byte = hops * (p - 1) / np.maximum(p, 1) / (busbw * profile.coll_bw_scale[kind])
+    per_byte = ring_volume(kind, p, 1.0) / (busbw * profile.coll_bw_scale[kind])
     if profile.physics.latency_model == "nccl":
         fixed = nccl_latency(profile, kind, p, stride)
     else:
-        steps = p - 1
-        if kind == "all_reduce":
-            tree = np.ceil(np.log2(np.maximum(p, 1)))
+        steps = ring_steps(kind, p)
+        if kind == "all_reduce":  # the tree's two passes of log2(p) steps where cheaper across nodes
+            tree = 2 * np.ceil(np.log2(np.maximum(p, 1)))
             steps = np.where(inside, steps, np.minimum(steps, tree))
-        fixed = hops * steps * latency * profile.coll_lat_scale[kind]
+        fixed = steps * latency * profile.coll_lat_scale[kind]
     fixed = fixed + np.where(p > 1, profile.corrections.collective_overhead_s, 0.0)
     return per_byte, fixed
 
@@ -147,7 +162,7 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
     latency_scale multiplies that part, intra_bw_scale divides the rest."""
     nb = np.asarray(nbytes, dtype=np.float64)
     x = np.log(np.maximum(nb, 1.0))
-    slope = (2.0 if kind == "all_reduce" else 1.0) * (size - 1) / size / (
+    slope = ring_volume(kind, size, 1.0) / (
         profile.intra_busbw(int(size), int(stride)) * profile.coll_bw_scale[kind])
     c = profile.corrections
     per_burst = []
