@@ -16,7 +16,7 @@ from axoplan.planner.machine import profile_from_dict
 from axoplan.planner.space import enumerate_space, factorizations4
 from axoplan.planner.specs import Job, LinearShape, load_model
 
-SRC = "AxoNN authors' performance model (shared/reference/data/axonn_perf_model_bandwidth_table.csv)"
+SRC = "AxoNN authors' performance model (tests/data/axonn_perf_model_bandwidth_table.csv)"
 
 
 def axonn_profile(machine: str):
