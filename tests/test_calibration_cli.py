@@ -124,3 +124,31 @@ def test_emit_slurm_replaces_an_earlier_run_only_when_the_new_one_finished(tmp_p
         assert r.returncode == 0, r.stderr
         assert (results / "attention.csv").read_text() == "new\n" and '"old"' not in (results / "meta.json").read_text()
         assert not (results / ".measuring-slurm-77").exists() and (tmp_path / "fitted").exists()
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_workers_get_the_trainers_thread_count(tmp_path, monkeypatch, omp):
+    """The workers' threads follow the trainer's rule (dist_env.cpu_threads): the node's cores shared by
+    the ranks, or the user's OMP_NUM_THREADS."""
+    import os
+
+    from axoplan.cli import calibrate as C
+
+    seen = {}
+
+    class Workers:  # a torchrun that finishes at once, keeping the environment it was given
+        stdout = iter(())
+
+        def __init__(self, args, env, **kw):
+            seen.update(env)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(C.subprocess, "Popen", Workers)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    C._run_workers(2, tmp_path / "r", True, None, "cpu", "axoplan calibrate --test", [])
+    assert seen["OMP_NUM_THREADS"] == (omp or str(max(1, (os.cpu_count() or 1) // 2)))

@@ -170,6 +170,7 @@ def main(argv=None) -> int:
 
     from axoplan.calibrate import collectives, framework, gemm, memory, trainer_grids
     from axoplan.calibrate.results_io import ResultsDir
+    from axoplan.runtime.dist_env import cpu_threads
 
     t_start = time.time()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -182,8 +183,10 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
         dtype, backend = torch.float32, "gloo"
-        # exactly the trainer's threading: the node's cores shared evenly by its ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # exactly the trainer's threading (dist_env.cpu_threads), so the profile measures what training gets
+        threads = cpu_threads(local_world)
+        if threads is not None:
+            torch.set_num_threads(threads)
     dist.init_process_group(backend, **({"device_id": device} if cuda else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
 

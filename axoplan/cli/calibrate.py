@@ -17,6 +17,7 @@ import click
 
 from axoplan import inputs
 from axoplan.errors import UserError
+from axoplan.runtime.dist_env import cpu_threads
 
 
 def _check_out(out: str | None) -> Path:
@@ -52,7 +53,9 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
         args += ["--models", models]
     args += extra
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = cpu_threads(nproc)
+    if threads is not None:  # torchrun would otherwise start every worker with OMP_NUM_THREADS=1
+        env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     env.update(env_extra or {})  # the marker by which a later calibration finds workers a killed one left
     t0 = time.time()

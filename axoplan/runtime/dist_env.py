@@ -76,7 +76,8 @@ def export_for_env_init(de: DistEnv, env=None) -> None:
 
 def cpu_threads(local_world_size: int, env=None) -> int | None:
     """Threads per process: cpu_count / processes on the node unless OMP_NUM_THREADS is set
-    (None: leave torch's setting alone). Calibration uses the same rule."""
+    (None: leave torch's setting alone). The one rule: the trainer, `axoplan calibrate` (for the
+    workers it starts) and the calibration worker all ask here."""
     env = os.environ if env is None else env
     if env.get("OMP_NUM_THREADS"):
         return None
