@@ -68,6 +68,7 @@ def test_emit_slurm_script_is_valid_bash(capsys, tmp_path):
     text = script.read_text()
     assert "#SBATCH --nodes=4" in text and "--nproc-per-node=4" in text and "--rdzv-backend=c10d" in text
     assert "axoplan.calibrate.worker" in text and "--from-results" in text and "--quick" in text
+    assert "RESULTS=machine_profiles/cluster_results" in text  # the raw results go beside the profile
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
 
@@ -77,6 +78,13 @@ def test_parts_need_the_ranks_of_the_earlier_run(capsys, tmp_path):
     code, _, err = run(capsys, "--out", str(tmp_path / "p.yaml"), "--parts", "trainer", "--results", str(tmp_path / "r"),
                        "--nproc", "2")
     assert code == 2 and "differs from the 4 ranks" in err and err.count("\n") == 1
+
+
+def test_the_results_folder_is_beside_the_profile_by_default(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "profiles" / "p_results")  # 4 ranks per node
+    code, _, err = run(capsys, "--out", "profiles/p.yaml", "--parts", "trainer", "--nproc", "2")
+    assert code == 2 and "differs from the 4 ranks of the earlier run in profiles/p_results" in err
 
 
 def _fake_cluster(tmp_path, worker_exit: int):

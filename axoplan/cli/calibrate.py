@@ -272,13 +272,14 @@ def _parts_args(parts: str, results: Path, nproc: int | None, from_results, emit
 @click.option("--out", type=str, default=None, help="Profile to write, e.g. machine_profiles/NAME.yaml.")
 @click.option("--quick", is_flag=True, help="A coarser sweep (under 3 minutes on a 2-core machine).")
 @click.option("--results", type=str, default=None,
-              help="Folder for the raw measurements (default: calibration/results/NAME).")
+              help="Folder for the raw measurements (default: NAME_results beside the profile --out names).")
 @click.option("--models", type=str, default=None,
               help="Comma-separated model presets whose exact GEMM and attention shapes to add "
                    "(default: gpt-tiny,gpt-small on CPU, gpt-5b,gpt-20b on GPUs).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--from-results", "from_results", type=str, default=None,
-              help="Fit and write the profile from an earlier run's results folder; measure nothing.")
+              help="Fit and write the profile from an earlier run's results folder (by default that run "
+                   "wrote NAME_results beside its profile); measure nothing.")
 @click.option("--parts", type=str, default=None,
               help="Measure only these parts again (comma-separated: gemm, collectives, memory, attention, "
                    "framework, trainer, overlap) on top of the complete earlier run in the results folder, "
@@ -292,7 +293,8 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
     """Measure this machine (GEMMs, memory, collectives per group shape) and write its profile."""
     out_p = _check_out(out)
     name = out_p.stem
-    results_p = Path(results) if results else Path("calibration") / "results" / name
+    # beside the profile, named like its tables (NAME_gemm.csv, ...): the raw data goes where the profile goes
+    results_p = Path(results) if results else out_p.parent / f"{name}_results"
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be a positive integer, got {nproc}")
     if models:
@@ -317,7 +319,7 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
         dest = Path(script or f"calibrate-{name}.sbatch")
         atomic_write_text(dest, text)
         os.chmod(dest, 0o755)
-        click.echo(f"wrote {dest}: submit it with `sbatch {dest}`; it writes {out_p}")
+        click.echo(f"wrote {dest}: submit it with `sbatch {dest}`; it writes {out_p} (raw results in {results_p})")
         return
 
     wall = None
