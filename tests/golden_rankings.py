@@ -15,7 +15,6 @@ import pandas as pd
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_rankings.csv"
 KEY = ["model", "profile", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing"]
 VALUES = ["batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "feasible"]
-PICKS = 5  # rows per job: the best, the second, and three spread over the rest (infeasible ones included)
 
 
 def jobs():
@@ -37,6 +36,7 @@ def compute() -> pd.DataFrame:
     for name, prof, gpus, batch in jobs():
         df = axoplan.rank(name, prof, gpus, batch, include_infeasible=True)
         n = len(df)
+        # the best, the second, and three spread over the rest (infeasible ones included)
         rows = df.iloc[sorted({0, min(1, n - 1), n // 4, n // 2, (3 * n) // 4})]
         out.append(rows.assign(model=name, profile=prof, gpus=gpus, global_batch=batch))
     return pd.concat(out, ignore_index=True)[KEY + ["gpus", "global_batch"] + VALUES]

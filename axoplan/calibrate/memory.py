@@ -99,11 +99,6 @@ class AttnResult:
     pass_: str  # forward | forward_backward
     seconds: float
 
-    @property
-    def flop_full(self) -> float:
-        """Forward FLOP without causal skipping: QKᵀ and AV, 2·s²·d each per head."""
-        return 4.0 * self.batch * self.heads * self.seq**2 * self.head_dim
-
 
 def run_attention(shapes: list[tuple[int, int, int, int]], dtype, device,
                   mean_over_ranks: Callable[[list[float]], list[float]], on_result: Callable[[AttnResult], None],

@@ -79,7 +79,6 @@ class Schedule:
     buckets: comm.BucketPlan | None  # the D gradient all-reduce's buckets when it overlaps the last backward
     groups: comm.Groups
     extrapolated: np.ndarray  # some GEMM shape fell outside a measured table
-    elementwise: work.ElementwiseWork
     shard_elems: np.ndarray  # fp32 elements of this rank's sharded parameters
     replicated_elems: np.ndarray  # elements of the replicated parameters (norm weights, positions)
     block_elems: list  # per block linear: elements of its [k/g_in, n/g_out] block before Z sharding
@@ -221,4 +220,4 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
                                           plan.rows if plan else None)
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
-                    step, t_opt, plan, g, extrapolated, ew, shard, replicated, block_elems, lm_elems, emb_elems)
+                    step, t_opt, plan, g, extrapolated, shard, replicated, block_elems, lm_elems, emb_elems)

@@ -213,7 +213,3 @@ def load_model(name_or_path: str | ModelSpec) -> ModelSpec:
     if not res.is_file():
         raise UserError(f"unknown model '{s}'; known presets: {', '.join(preset_names())} (or give a YAML path)")
     return model_from_dict(_read_yaml(res, f"preset '{s}'"), f"preset '{s}'")
-
-
-def model_to_dict(m: ModelSpec) -> dict:
-    return {k: v for k, v in dataclasses.asdict(m).items() if v is not None and v != ""}

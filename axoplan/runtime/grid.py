@@ -64,9 +64,6 @@ class ParallelGrid:
     def size(self) -> int:
         return self.gx * self.gy * self.gz * self.gdata
 
-    def size_of(self, axis: str) -> int:
-        return {"x": self.gx, "y": self.gy, "z": self.gz, "d": self.gdata, "zd": self.gz * self.gdata}[axis]
-
     def group(self, axis: str):
         return self.groups.get(axis)
 

@@ -182,9 +182,6 @@ class ParallelGPT:
                 cur = []
         return out
 
-    def sharded_params(self) -> list[torch.nn.Parameter]:
-        return [w.param for w in self.weights.values()]
-
     def replicated_params(self) -> list[torch.nn.Parameter]:
         return list(self.replicated.values())
 

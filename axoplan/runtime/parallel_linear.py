@@ -49,7 +49,6 @@ class ShardedWeight:
         self.shard_len = -(-self.numel // gz)  # pad the flat block so gz need not divide it
         self.gz, self.z = gz, z
         self.param = torch.nn.Parameter(torch.zeros(self.shard_len, device=device))
-        self.param._axoplan_name = name
 
     def set_from_full(self, full: torch.Tensor) -> None:
         block = full.to(self.param.device, torch.float32)[self.rows][:, self.cols].reshape(-1)
