@@ -62,8 +62,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     gx, gy, gz, mb = c.gx, c.gy, c.gz, c.micro_batch
     T = (mb * S).astype(np.float64)
     sched = schedule.build(model, profile, job, c, ck, overlap, tuning, comm.place(profile, c))
-    st = timing.step_time(profile, sched, overlap, explain)
-    batch = st.batch
+    timed_step = timing.step_time(profile, sched, overlap, explain)
+    batch = timed_step.batch
     compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
     comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
     exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
@@ -95,6 +95,6 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     flops_token = np.where(ck, model.flops_per_token(S, recompute=True), model.flops_per_token(S, recompute=False))
     flops_gpu = flops_token * job.tokens_per_batch / job.gpus
 
-    detail = {"schedule": sched, "time": st} if explain else {}
+    detail = {"schedule": sched, "time": timed_step} if explain else {}
     return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
                       sched.extrapolated, detail)

@@ -149,55 +149,56 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # ---- compute: GEMMs, attention, element-wise kernels as the trainer issues them ------------------
     lins = model.block_linears()
-    gem = [work.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
+    gemms = [work.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
     lm = model.lm_head()
-    gem_lm = work.linear_gemms(profile, lm, gx, gy, T, tuning)
+    head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
-    ew = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
-                               fused=profile.elementwise_kernels == "fused")
-    ew_f, ew_b = ew.block_fwd.seconds(profile), ew.block_bwd.seconds(profile)
-    casts = [w.seconds(profile) for w in ew.gather_casts]  # each layer's gathered weight cast, where it is used
+    elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
+                                        fused=profile.elementwise_kernels == "fused")
+    elem_fwd, elem_bwd = elementwise.block_fwd.seconds(profile), elementwise.block_bwd.seconds(profile)
+    # each layer's gathered weight cast, where it is used
+    casts = [w.seconds(profile) for w in elementwise.gather_casts]
     extrapolated = np.zeros(len(c), dtype=bool)
-    for gm in gem + [gem_lm]:
-        extrapolated |= gm.extrapolated
+    for layer_gemms in gemms + [head_gemms]:
+        extrapolated |= layer_gemms.extrapolated
 
     # ---- collectives ---------------------------------------------------------------------------------
     g = groups
-    col = [comm.linear_collectives(profile, g, lin, T, e) for lin in lins]
-    col_lm = comm.linear_collectives(profile, g, lm, T, e)
-    col_emb = comm.embedding_collectives(profile, g, model, T, e)
+    colls = [comm.linear_collectives(profile, g, lin, T, e) for lin in lins]
+    head_colls = comm.linear_collectives(profile, g, lm, T, e)
+    emb_colls = comm.embedding_collectives(profile, g, model, T, e)
     norm_f, norm_b = comm.norm_collectives(profile, g, model, T, "norm")
     loss = list(comm.loss_collectives(profile, g, T))
 
     # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual;
     # the block's element-wise work is split between the two norm windows, as the trainer's order has it
-    attention_f = [{"attention": attn_f, "element-wise": ew_f / 2}, {}, {"element-wise": ew_f / 2}, {}]
+    attention_f = [{"attention": attn_f, "element-wise": elem_fwd / 2}, {}, {"element-wise": elem_fwd / 2}, {}]
     norms = [True, False, True, False]
 
     def fwd_window(i, suffix=""):
-        comp = {"gemm fwd": gem[i].fwd, **attention_f[i], "weight cast": casts[i]}
-        return Window(lins[i].name + suffix, comp, [col[i]["ar_fwd"]] + ([norm_f] if norms[i] else []),
-                      gather=[col[i]["ag"]])
+        comp = {"gemm fwd": gemms[i].fwd, **attention_f[i], "weight cast": casts[i]}
+        return Window(lins[i].name + suffix, comp, [colls[i]["ar_fwd"]] + ([norm_f] if norms[i] else []),
+                      gather=[colls[i]["ag"]])
 
     fwd_block = [fwd_window(i) for i in range(4)]
-    emb_f = Window("embedding", {"element-wise": ew.emb_fwd.seconds(profile)}, [col_emb["ar_fwd"]],
-                   gather=[col_emb["ag"]])
-    lm_f = Window("lm_head", {"gemm fwd": gem_lm.fwd, "element-wise": ew.head_fwd.seconds(profile)},
-                  [col_lm["ar_fwd"], norm_f] + loss, gather=[col_lm["ag"]])
+    emb_f = Window("embedding", {"element-wise": elementwise.emb_fwd.seconds(profile)}, [emb_colls["ar_fwd"]],
+                   gather=[emb_colls["ag"]])
+    lm_f = Window("lm_head", {"gemm fwd": head_gemms.fwd, "element-wise": elementwise.head_fwd.seconds(profile)},
+                  [head_colls["ar_fwd"], norm_f] + loss, gather=[head_colls["ag"]])
 
-    attention_b = [{"attention": attn_b, "element-wise": ew_b / 2}, {}, {"element-wise": ew_b / 2}, {}]
+    attention_b = [{"attention": attn_b, "element-wise": elem_bwd / 2}, {}, {"element-wise": elem_bwd / 2}, {}]
 
     def bwd_window(i, with_gather):
-        comp = {"gemm dgrad": gem[i].dgrad, "gemm wgrad": gem[i].wgrad, **attention_b[i]}
+        comp = {"gemm dgrad": gemms[i].dgrad, "gemm wgrad": gemms[i].wgrad, **attention_b[i]}
         if with_gather:
             comp["weight cast"] = casts[i]
-        return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], col[i]["ar_bwd"], gem[i].wgrad,
-                         [col[i]["ag"]] if with_gather else [], col[i]["rs"], overlap)
+        return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"], gemms[i].wgrad,
+                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap)
 
-    lm_b = _backward("lm_head", {"gemm dgrad": gem_lm.dgrad, "gemm wgrad": gem_lm.wgrad,
-                                 "element-wise": ew.head_bwd.seconds(profile)},
-                     [norm_b], col_lm["ar_bwd"], gem_lm.wgrad, [col_lm["ag"]], col_lm["rs"], overlap)
-    emb_b = Window("embedding", {"element-wise": ew.emb_bwd.seconds(profile)}, scatter=[col_emb["rs"]])
+    lm_b = _backward("lm_head", {"gemm dgrad": head_gemms.dgrad, "gemm wgrad": head_gemms.wgrad,
+                                 "element-wise": elementwise.head_bwd.seconds(profile)},
+                     [norm_b], head_colls["ar_bwd"], head_gemms.wgrad, [head_colls["ag"]], head_colls["rs"], overlap)
+    emb_b = Window("embedding", {"element-wise": elementwise.emb_bwd.seconds(profile)}, scatter=[emb_colls["rs"]])
     plain = [bwd_window(i, True) for i in reversed(range(4))]
     recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
@@ -210,7 +211,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     shard = (sum(comm.shard_elems(b, gz) for b in block_elems) * L + comm.shard_elems(lm_elems, gz)
              + comm.shard_elems(emb_elems, gz))
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
-    t_opt = work.optimizer_seconds(profile, work.step_work(model, gx, gy, gz, gd, mb, S, grad_acc, shard,
+    optimizer_s = work.optimizer_seconds(profile, work.step_work(model, gx, gy, gz, gd, mb, S, grad_acc, shard,
                                                            work.fused_optimizer(profile)))
     plan = None
     if overlap and OVERLAP_DP:  # the trainer's buckets, one definition: comm.gradient_buckets
@@ -220,4 +221,4 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
                                           plan.rows if plan else None)
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
-                    step, t_opt, plan, g, extrapolated, shard, replicated, block_elems, lm_elems, emb_elems)
+                    step, optimizer_s, plan, g, extrapolated, shard, replicated, block_elems, lm_elems, emb_elems)

@@ -202,9 +202,9 @@ class StepTime:
 def step_time(profile: MachineProfile, sched: Schedule, overlap: bool, explain: bool = False) -> StepTime:
     """The batch time of every candidate: grad_acc micro-batches of forward and backward windows, then the
     exposed part of the step's collectives, the optimizer and the profile's fixed overhead per step."""
-    how = strategy(profile)
-    how.retime(profile, sched)
-    side = how.side_by_side
+    timing = strategy(profile)
+    timing.retime(profile, sched)
+    side = timing.side_by_side
     L = sched.n_blocks
 
     def times(p):
