@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 from axoplan.runtime.dryrun import compare
 from axoplan.planner.space import enumerate_space
 

@@ -173,7 +173,7 @@ def _trainer_rows(prof, world, true):
     import numpy as np
 
     from axoplan.planner.batch import evaluate
-    from axoplan.loop.launch import ORDERS
+    from axoplan.planner.space import ORDERS
     from axoplan.planner.space import Candidates
     from axoplan.planner.specs import Job
     from axoplan.calibrate import trainer_grids as T

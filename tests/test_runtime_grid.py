@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 from axoplan.planner.space import grid_problem
 from axoplan.runtime.grid import Coords, coords_of, rank_of
 from axoplan.planner.specs import load_model

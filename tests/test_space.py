@@ -11,8 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from axoplan.planner.batch import evaluate
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
-from axoplan.planner.space import (distinct_orders, divisibility_masks, divisors, enumerate_space,
+from axoplan.planner.space import (ORDERS, distinct_orders, divisibility_masks, divisors, enumerate_space,
                            factorizations4, grid_problem, micro_batch_choices, strides)
 from axoplan.planner.specs import Job, ModelSpec
 

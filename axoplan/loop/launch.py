@@ -13,9 +13,8 @@ import yaml
 from axoplan import inputs, slurm
 from axoplan.errors import UserError
 from axoplan.shell import check_script, comment, env_name, quote, safe_line
+from axoplan.planner.space import ORDERS
 from axoplan.yamlio import load_yaml
-
-ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
 
 
 @dataclass

@@ -12,9 +12,8 @@ from axoplan.planner.batch import Evaluation, evaluate
 from axoplan.planner.memory import KIND_NAMES
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
-from axoplan.planner.space import Candidates, enumerate_space
+from axoplan.planner.space import ORDERS, Candidates, enumerate_space
 from axoplan.planner.specs import Job, ModelSpec, load_model
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it

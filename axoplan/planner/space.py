@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
 from axoplan.planner.specs import ModelSpec
+
+# placement orders of the three tensor axes, innermost first (data is always outermost)
+ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
 
 AXES = "xyz"
 MAX_CANDIDATES = 2_000_000
