@@ -50,3 +50,25 @@ def test_the_profile_field_selects_it_and_defaults_to_the_trainer(write_profile)
 
     with pytest.raises(UserError, match="elementwise_kernels"):
         load_profile(str(write_profile(raw=yaml.safe_dump(raw), name="bad-test")))
+
+
+def test_fused_kernels_memory_by_hand():
+    """The same field selects the fused kernels' memory: the loss keeps no fp32 copy of the [T, V/gy] logits
+    (a log-sum-exp per token instead) and the norm's backward no fp32 temporaries of [T, H/gx]."""
+    from axoplan.planner.memory import NORM_BWD_FP32_COPIES, step_moments
+
+    m = tiny_model()  # hidden 64, 8 heads, vocab 256
+    gx, gy, gz, T, e = 2, 2, 1, 128.0, 2
+    blocks = [64 // gx * (192 // gy), 64 // gy * (64 // gx), 64 // gx * (256 // gy), 256 // gy * (64 // gx)]
+    args = (m, gx, gy, gz, T, False, 1000.0, 200.0, blocks, 64 // gx * (256 // gy), 256 // gy * (64 // gx), e,
+            True, 2)
+    eager, fused = step_moments(*args), step_moments(*args, fused=True)
+    V, hx = 256 / gy, 64 / gx
+    assert eager["forward loss"]["logits"] == pytest.approx(T * V * (e + 4))
+    assert fused["forward loss"]["logits"] == pytest.approx(T * V * e + T * 4)
+    assert eager["backward loss"]["logits"] == pytest.approx(T * V * (e + 4 + e))
+    assert fused["backward loss"]["logits"] == pytest.approx(T * V * 2 * e + T * 4)
+    eager_t, fused_t = eager["backward final norm"]["transients"], fused["backward final norm"]["transients"]
+    assert eager_t - fused_t == pytest.approx(T * hx * NORM_BWD_FP32_COPIES * 4)
+    for k in ("states", "gathered", "gradients", "activations"):  # nothing else changes
+        assert np.all(np.asarray(eager["backward lm_head"][k]) == np.asarray(fused["backward lm_head"][k]))

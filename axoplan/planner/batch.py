@@ -80,7 +80,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     mem = memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
                  pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in sched.block_elems],
                  pick(sched.lm_elems), pick(sched.emb_elems), e, prefetch=overlap,
-                 max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0, breakdown=explain)
+                 max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
+                 fused=profile.elementwise_kernels == "fused", breakdown=explain)
     mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom
 

@@ -112,11 +112,14 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
-                 block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int) -> dict:
+                 block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
+                 fused: bool = False) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
-    position parameters (the same states, unsharded)."""
+    position parameters (the same states, unsharded). fused: the framework's fused kernels (the profile's
+    compute.elementwise_kernels), whose loss keeps no fp32 copy of the logits and whose norm backward
+    writes the input gradient with no fp32 temporaries."""
     e = dtype_bytes
     T = np.asarray(tokens, dtype=np.float64)
     L = model.n_layers
@@ -163,16 +166,22 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
 
     # every block's input (or all it saved) and the final norm's
     stack = earlier + x_in + np.where(ck, 0.0, block_saved) + final
-    moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32))
-    # the loss backward: the saved logits, their one fp32 copy and the gradient handed back (the copy
-    # itself when the logits are fp32)
-    moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32 + (e if e != FP32 else 0)))
+    if fused:
+        # a fused cross-entropy reads the logits in their dtype, saves a log-sum-exp per token and writes
+        # their gradient beside them (flash_attn.losses.cross_entropy, inplace_backward off by default)
+        moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * e + T * FP32)
+        moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * 2 * e + T * FP32)
+    else:
+        moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32))
+        # the loss backward: the saved logits, their one fp32 copy and the gradient handed back (the copy
+        # itself when the logits are fp32)
+        moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32 + (e if e != FP32 else 0)))
     # the LM head's backward prefetches the last block's first gather: qkv to recompute, or fc2
     moment("backward lm_head", lm.gathered + pre * np.where(ck, qkv.gathered, fc2.gathered), lm.dw, stack,
            T * vl * e, T * hx * e)
 
     # the final norm's backward: the LM head's input freed, its dI coming in, the norm's fp32 temporaries
-    norm_bwd = T * hx * (e + NORM_BWD_FP32_COPIES * FP32)
+    norm_bwd = T * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
     moment("backward final norm", pre * np.where(ck, qkv.gathered, fc2.gathered), lm.inflight, stack - T * hx * e,
            0.0, norm_bwd)
 
