@@ -113,11 +113,12 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 fused: bool = False) -> dict:
+                 block_order: tuple, fused: bool = False) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
-    position parameters (the same states, unsharded). fused: the framework's fused kernels (the profile's
+    position parameters (the same states, unsharded). block_order: the schedule's (schedule.py) windows of
+    one block, (forward names in order, backward windows in order with their moments). fused: the framework's fused kernels (the profile's
     compute.elementwise_kernels), whose loss keeps no fp32 copy of the logits and whose norm backward
     writes the input gradient with no fp32 temporaries."""
     e = dtype_bytes
@@ -176,46 +177,53 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # the loss backward: the saved logits, their one fp32 copy and the gradient handed back (the copy
         # itself when the logits are fp32)
         moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32 + (e if e != FP32 else 0)))
-    # the LM head's backward prefetches the last block's first gather: qkv to recompute, or fc2
-    moment("backward lm_head", lm.gathered + pre * np.where(ck, qkv.gathered, fc2.gathered), lm.dw, stack,
+    # the LM head's backward prefetches the last block's first gather: the recompute's first (qkv), or the
+    # backward's first (fc2)
+    by_name = dict(zip(("qkv", "attn_out", "fc1", "fc2"), (qkv, out, fc1, fc2)))
+    first_gather = np.where(ck, by_name[block_order[0][0]].gathered, by_name[block_order[1][0].name].gathered)
+    moment("backward lm_head", lm.gathered + pre * first_gather, lm.dw, stack,
            T * vl * e, T * hx * e)
 
     # the final norm's backward: the LM head's input freed, its dI coming in, the norm's fp32 temporaries
     norm_bwd = T * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
-    moment("backward final norm", pre * np.where(ck, qkv.gathered, fc2.gathered), lm.inflight, stack - T * hx * e,
+    moment("backward final norm", pre * first_gather, lm.inflight, stack - T * hx * e,
            0.0, norm_bwd)
 
-    # ---- the last two blocks' backward, layer by layer ----------------------------------------------
+    # ---- the last two blocks' backward, window by window as the schedule runs them ----------------
     # Under checkpointing the recompute gathers the block's four weights and keeps each until its
-    # layer's backward; the next block's qkv is prefetched. Without it each layer gathers its own and
+    # layer's backward; the next block's first is prefetched. Without it each layer gathers its own and
     # prefetches the next. The second block finds the first's last two reduce-scatters in flight.
-    kept = [qkv.gathered, out.gathered, fc1.gathered, fc2.gathered]
+    forward_names, backward_windows = block_order
+    layers = by_name
+    kept = [layers[n].gathered for n in forward_names]  # in the order the recompute gathers them
     order = [lm]  # reduce-scatters issued so far, oldest first
     dres = T * hx * e  # the residual stream's gradient, live through the block
-    # (layer, saved tensors freed after it, activation gradients live, kept weights live, layer in use
-    # and prefetched without checkpointing)
     qkv_l = qh + 2 * kvh
-    steps = (("fc2", ["act"], T * ffn * e, 4, fc2, fc1),
-             ("fc1", ["fc1", "h2"], T * (f1 + hx) * e, 3, fc1, out),
-             ("norm2", ["x1"], norm_bwd, 2, None, out),
-             ("attn_out", [], T * (hx + qh) * e, 2, out, qkv),
-             ("attention", ["sdpa"], T * qkv_l * e * 2, 1, None, qkv),
-             ("qkv", ["h1"], T * qkv_l * e + T * hx * e, 1, qkv, fc2),
-             ("norm1", [], norm_bwd, 0, None, fc2))
+    transients = {"fc2": T * ffn * e, "fc1": T * (f1 + hx) * e, "norm": norm_bwd, "attn_out": T * (hx + qh) * e,
+                  "attention": T * qkv_l * e * 2, "qkv": T * qkv_l * e + T * hx * e}
     recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
     one_block = np.where(ck, x_in, x_in + block_saved)
+    n_win = len(backward_windows)
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
         live = dict(saved)
-        for name, frees_after, trans, n_kept, layer, nxt in steps:
-            acts = earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out
-            ckpt_g = sum(kept[:n_kept]) + qkv.gathered * pre  # kept ones and the next block's qkv
-            plain_g = (layer.gathered if layer is not None else 0.0) + nxt.gathered * pre
-            grads = inflight(order) + (layer.dw if layer is not None else 0.0)
-            moment(f"backward {label} {name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0, dres + trans)
-            for k in frees_after:
-                live.pop(k)
-            if layer is not None:
-                order.append(layer)
+        for i, w in enumerate(backward_windows):
+            layer = layers[w.name]
+            after = layers[backward_windows[(i + 1) % n_win].name]  # the next window's weight (next block's)
+            before_gemm = True
+            for mo in w.moments:
+                acts = earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out
+                ckpt_g = sum(kept[:mo.kept]) + kept[0] * pre  # kept ones and the next block's first
+                own = layer if mo.gemm else None
+                nxt = layer if before_gemm and not mo.gemm else after  # prefetched: the next gather to come
+                plain_g = (own.gathered if own is not None else 0.0) + nxt.gathered * pre
+                grads = inflight(order) + (own.dw if own is not None else 0.0)
+                moment(f"backward {label} {mo.name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0,
+                       dres + transients[mo.transient])
+                for k in mo.frees:
+                    live.pop(k)
+                if mo.gemm:
+                    order.append(layer)
+                    before_gemm = False
 
     # the embedding's backward: every block done, its fp32 gradient block
     moment("backward embedding", 0.0, inflight(order) + emb.dw, 0.0, 0.0, dres)

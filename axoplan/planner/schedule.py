@@ -32,6 +32,30 @@ OVERLAP_DP = Overlap().data_parallel
 MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
 
 
+@dataclass(frozen=True)
+class Moment:
+    """A point inside a backward window where the live set can peak (memory.py walks them in order): the
+    activations the block saved that are freed once it is past, the transient buffer live at it, how many
+    of the block's recomputed weights checkpointing still keeps, and whether it is the window's own GEMM
+    (its gathered weight and its gradient block live; before it, the window's weight is being prefetched)."""
+
+    name: str
+    frees: tuple = ()
+    transient: str = ""
+    kept: int = 0
+    gemm: bool = False
+
+
+# the backward of one block as the trainer runs it (runtime/model.py): per window, its moments in order
+BLOCK_MOMENTS = {
+    "fc2": (Moment("fc2", ("act",), "fc2", 4, True),),
+    "fc1": (Moment("fc1", ("fc1", "h2"), "fc1", 3, True), Moment("norm2", ("x1",), "norm", 2)),
+    "attn_out": (Moment("attn_out", (), "attn_out", 2, True),),
+    "qkv": (Moment("attention", ("sdpa",), "attention", 1), Moment("qkv", ("h1",), "qkv", 1, True),
+            Moment("norm1", (), "norm", 0)),
+}
+
+
 @dataclass
 class Window:
     """One layer's step: compute-stream seconds by op, and the collectives by how they meet the compute."""
@@ -43,6 +67,7 @@ class Window:
     wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
     gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
     scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
+    moments: tuple = ()  # backward windows: where memory can peak inside it (Moment), in order
     _compute: object = field(default=None, repr=False)
 
     def compute_s(self):
@@ -132,9 +157,10 @@ class Schedule:
 
 def _backward(name, comp, blocking, ar_bwd, wgrad, gather, rs, overlap: bool) -> Window:
     """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap."""
+    moments = BLOCK_MOMENTS.get(name, ())
     if overlap:
-        return Window(name, comp, blocking, [ar_bwd], wgrad, gather, [rs])
-    return Window(name, comp, [ar_bwd] + blocking, [], wgrad, gather, [rs])
+        return Window(name, comp, blocking, [ar_bwd], wgrad, gather, [rs], moments=moments)
+    return Window(name, comp, [ar_bwd] + blocking, [], wgrad, gather, [rs], moments=moments)
 
 
 def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
