@@ -32,6 +32,18 @@ OVERLAP_DP = Overlap().data_parallel
 MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
 
 
+@dataclass
+class Op:
+    """Work on the compute stream, per candidate: its seconds and what they come from: a GEMM's (m, n, k),
+    attention, or element-wise kernels (bytes moved, kernels launched)."""
+
+    kind: str  # gemm | attention | element-wise
+    seconds: object
+    shape: tuple = ()  # GEMM: (m, n, k)
+    bytes: object = 0.0  # element-wise: bytes moved
+    kernels: object = 1.0  # launches (a GEMM or attention: one)
+
+
 @dataclass(frozen=True)
 class Moment:
     """A point inside a backward window where the live set can peak (memory.py walks them in order): the
@@ -61,7 +73,7 @@ class Window:
     """One layer's step: compute-stream seconds by op, and the collectives by how they meet the compute."""
 
     name: str
-    compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> seconds per candidate
+    compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> Op
     blocking: list = field(default_factory=list)  # collectives the compute stream waits for
     beside_wgrad: list = field(default_factory=list)  # OAR: run beside this window's dW GEMM
     wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
@@ -72,7 +84,7 @@ class Window:
 
     def compute_s(self):
         if self._compute is None:  # the timing, the totals and the CPU burst all read it
-            self._compute = sum(self.compute.values())
+            self._compute = sum(op.seconds for op in self.compute.values())
         return self._compute
 
     def collectives(self) -> list[Collective]:
@@ -181,12 +193,19 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
     elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
                                         fused=profile.elementwise_kernels == "fused")
-    elem_fwd, elem_bwd = elementwise.block_fwd.seconds(profile), elementwise.block_bwd.seconds(profile)
-    # each layer's gathered weight cast, where it is used
-    casts = [w.seconds(profile) for w in elementwise.gather_casts]
     extrapolated = np.zeros(len(c), dtype=bool)
     for layer_gemms in gemms + [head_gemms]:
         extrapolated |= layer_gemms.extrapolated
+
+    def gemm(times: work.GemmTimes, which: str) -> Op:
+        return Op("gemm", getattr(times, which), times.shapes[which])
+
+    def elem(w: work.Work, share: float = 1.0) -> Op:
+        w = w * share
+        return Op("element-wise", w.seconds(profile), bytes=w.bytes, kernels=w.kernels)
+
+    # each layer's gathered weight cast, where it is used
+    casts = [elem(w) for w in elementwise.gather_casts]
 
     # ---- collectives ---------------------------------------------------------------------------------
     g = groups
@@ -198,33 +217,35 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual;
     # the block's element-wise work is split between the two norm windows, as the trainer's order has it
-    attention_f = [{"attention": attn_f, "element-wise": elem_fwd / 2}, {}, {"element-wise": elem_fwd / 2}, {}]
+    attention_f = [{"attention": Op("attention", attn_f), "element-wise": elem(elementwise.block_fwd, 0.5)}, {},
+                   {"element-wise": elem(elementwise.block_fwd, 0.5)}, {}]
     norms = [True, False, True, False]
 
     def fwd_window(i, suffix=""):
-        comp = {"gemm fwd": gemms[i].fwd, **attention_f[i], "weight cast": casts[i]}
+        comp = {"gemm fwd": gemm(gemms[i], "fwd"), **attention_f[i], "weight cast": casts[i]}
         return Window(lins[i].name + suffix, comp, [colls[i]["ar_fwd"]] + ([norm_f] if norms[i] else []),
                       gather=[colls[i]["ag"]])
 
     fwd_block = [fwd_window(i) for i in range(4)]
-    emb_f = Window("embedding", {"element-wise": elementwise.emb_fwd.seconds(profile)}, [emb_colls["ar_fwd"]],
+    emb_f = Window("embedding", {"element-wise": elem(elementwise.emb_fwd)}, [emb_colls["ar_fwd"]],
                    gather=[emb_colls["ag"]])
-    lm_f = Window("lm_head", {"gemm fwd": head_gemms.fwd, "element-wise": elementwise.head_fwd.seconds(profile)},
+    lm_f = Window("lm_head", {"gemm fwd": gemm(head_gemms, "fwd"), "element-wise": elem(elementwise.head_fwd)},
                   [head_colls["ar_fwd"], norm_f] + loss, gather=[head_colls["ag"]])
 
-    attention_b = [{"attention": attn_b, "element-wise": elem_bwd / 2}, {}, {"element-wise": elem_bwd / 2}, {}]
+    attention_b = [{"attention": Op("attention", attn_b), "element-wise": elem(elementwise.block_bwd, 0.5)}, {},
+                   {"element-wise": elem(elementwise.block_bwd, 0.5)}, {}]
 
     def bwd_window(i, with_gather):
-        comp = {"gemm dgrad": gemms[i].dgrad, "gemm wgrad": gemms[i].wgrad, **attention_b[i]}
+        comp = {"gemm dgrad": gemm(gemms[i], "dgrad"), "gemm wgrad": gemm(gemms[i], "wgrad"), **attention_b[i]}
         if with_gather:
             comp["weight cast"] = casts[i]
         return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"], gemms[i].wgrad,
                          [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap)
 
-    lm_b = _backward("lm_head", {"gemm dgrad": head_gemms.dgrad, "gemm wgrad": head_gemms.wgrad,
-                                 "element-wise": elementwise.head_bwd.seconds(profile)},
+    lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
+                                 "element-wise": elem(elementwise.head_bwd)},
                      [norm_b], head_colls["ar_bwd"], head_gemms.wgrad, [head_colls["ag"]], head_colls["rs"], overlap)
-    emb_b = Window("embedding", {"element-wise": elementwise.emb_bwd.seconds(profile)}, scatter=[emb_colls["rs"]])
+    emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]])
     plain = [bwd_window(i, True) for i in reversed(range(4))]
     recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
