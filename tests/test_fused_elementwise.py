@@ -56,14 +56,19 @@ def test_fused_kernels_memory_by_hand():
     """The same field selects the fused kernels' memory: the loss keeps no fp32 copy of the [T, V/gy] logits
     (a log-sum-exp per token instead) and the norm's backward no fp32 temporaries of [T, H/gx]."""
     from axoplan.planner.memory import NORM_BWD_FP32_COPIES, step_moments
-    from axoplan.planner.schedule import BLOCK_MOMENTS, Window
+    from axoplan.planner import comm, schedule
+    from axoplan.planner.space import Candidates
+    from axoplan.planner.specs import Job
 
     m = tiny_model()  # hidden 64, 8 heads, vocab 256
     gx, gy, gz, T, e = 2, 2, 1, 128.0, 2
     blocks = [64 // gx * (192 // gy), 64 // gy * (64 // gx), 64 // gx * (256 // gy), 256 // gy * (64 // gx)]
     args = (m, gx, gy, gz, T, False, 1000.0, 200.0, blocks, 64 // gx * (256 // gy), 256 // gy * (64 // gx), e,
-            True, 2, (("qkv", "attn_out", "fc1", "fc2"),
-                      [Window(n, {}, moments=BLOCK_MOMENTS[n]) for n in ("fc2", "fc1", "attn_out", "qkv")]))
+            True, 2)
+    prof = load_profile("dgx-h100")
+    c = Candidates(*(np.array([v]) for v in (gx, gy, gz, 1, 0, 1)), np.array([False]))
+    sched = schedule.build(m, prof, Job(4, 1, m.seq_len), c, c.checkpointing, True, True, comm.place(prof, c))
+    args = args + ((sched.forward, sched.backward),)
     eager, fused = step_moments(*args), step_moments(*args, fused=True)
     V, hx = 256 / gy, 64 / gx
     assert eager["forward loss"]["logits"] == pytest.approx(T * V * (e + 4))

@@ -81,7 +81,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                  pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in sched.block_elems],
                  pick(sched.lm_elems), pick(sched.emb_elems), e, prefetch=overlap,
                  max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
-                 block_order=(tuple(w.name for w in sched.forward.block), sched.backward.block),
+                 passes=(sched.forward, sched.backward),
                  fused=profile.elementwise_kernels == "fused", breakdown=explain)
     mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom

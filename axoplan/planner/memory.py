@@ -113,12 +113,12 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 block_order: tuple, fused: bool = False) -> dict:
+                 passes: tuple, fused: bool = False) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
-    position parameters (the same states, unsharded). block_order: the schedule's (schedule.py) windows of
-    one block, (forward names in order, backward windows in order with their moments). fused: the framework's fused kernels (the profile's
+    position parameters (the same states, unsharded). passes: the schedule's (schedule.py) forward and
+    backward (without recompute) Pass, whose windows name the moments walked, in order. fused: the framework's fused kernels (the profile's
     compute.elementwise_kernels), whose loss keeps no fp32 copy of the logits and whose norm backward
     writes the input gradient with no fp32 temporaries."""
     e = dtype_bytes
@@ -167,66 +167,67 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
 
     # every block's input (or all it saved) and the final norm's
     stack = earlier + x_in + np.where(ck, 0.0, block_saved) + final
+    forward, backward = passes
+    layers = dict(zip(("qkv", "attn_out", "fc1", "fc2"), (qkv, out, fc1, fc2)))
+    layers["lm_head"] = lm
+    layers["embedding"] = _Layer(0.0, emb.dw, emb.inflight)  # its backward needs no weight
+    kept = [layers[w.name].gathered for w in forward.block]  # in the order the recompute gathers them
+    dres = T * hx * e  # the residual stream's gradient, live through the blocks
+    norm_bwd = T * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
+    qkv_l = qh + 2 * kvh
+    transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
+                  "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * qkv_l * e * 2,
+                  "qkv": T * qkv_l * e + T * hx * e}
     if fused:
         # a fused cross-entropy reads the logits in their dtype, saves a log-sum-exp per token and writes
         # their gradient beside them (flash_attn.losses.cross_entropy, inplace_backward off by default)
-        moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * e + T * FP32)
-        moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * 2 * e + T * FP32)
+        loss_f, loss_b = T * vl * e + T * FP32, T * vl * 2 * e + T * FP32
     else:
-        moment("forward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32))
-        # the loss backward: the saved logits, their one fp32 copy and the gradient handed back (the copy
-        # itself when the logits are fp32)
-        moment("backward loss", lm.gathered * pre, 0.0, stack, T * vl * (e + FP32 + (e if e != FP32 else 0)))
-    # the LM head's backward prefetches the last block's first gather: the recompute's first (qkv), or the
-    # backward's first (fc2)
-    by_name = dict(zip(("qkv", "attn_out", "fc1", "fc2"), (qkv, out, fc1, fc2)))
-    first_gather = np.where(ck, by_name[block_order[0][0]].gathered, by_name[block_order[1][0].name].gathered)
-    moment("backward lm_head", lm.gathered + pre * first_gather, lm.dw, stack,
-           T * vl * e, T * hx * e)
+        # the saved logits and their one fp32 copy; backward also the gradient handed back (the copy itself
+        # when the logits are fp32)
+        loss_f, loss_b = T * vl * (e + FP32), T * vl * (e + FP32 + (e if e != FP32 else 0))
+    logits = {"": 0.0, "loss forward": loss_f, "loss backward": loss_b, "logits gradient": T * vl * e}
+    order = []  # reduce-scatters issued so far, oldest first
 
-    # the final norm's backward: the LM head's input freed, its dI coming in, the norm's fp32 temporaries
-    norm_bwd = T * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
-    moment("backward final norm", pre * first_gather, lm.inflight, stack - T * hx * e,
-           0.0, norm_bwd)
-
-    # ---- the last two blocks' backward, window by window as the schedule runs them ----------------
-    # Under checkpointing the recompute gathers the block's four weights and keeps each until its
-    # layer's backward; the next block's first is prefetched. Without it each layer gathers its own and
-    # prefetches the next. The second block finds the first's last two reduce-scatters in flight.
-    forward_names, backward_windows = block_order
-    layers = by_name
-    kept = [layers[n].gathered for n in forward_names]  # in the order the recompute gathers them
-    order = [lm]  # reduce-scatters issued so far, oldest first
-    dres = T * hx * e  # the residual stream's gradient, live through the block
-    qkv_l = qh + 2 * kvh
-    transients = {"fc2": T * ffn * e, "fc1": T * (f1 + hx) * e, "norm": norm_bwd, "attn_out": T * (hx + qh) * e,
-                  "attention": T * qkv_l * e * 2, "qkv": T * qkv_l * e + T * hx * e}
-    recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
-    one_block = np.where(ck, x_in, x_in + block_saved)
-    n_win = len(backward_windows)
-    for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
-        live = dict(saved)
-        for i, w in enumerate(backward_windows):
+    def walk(windows, label, activations, then, live, block: bool):
+        """The moments of these windows in order. Without checkpointing a window holds its own weight at its
+        GEMM and prefetches the next gather to come: its own before its GEMM, else the next window's (after
+        the last window, `then`); in a block under checkpointing, the recomputed weights still kept and the
+        next block's first. `live`: the activations still saved, freed as the moments say."""
+        for i, w in enumerate(windows):
             layer = layers[w.name]
-            after = layers[backward_windows[(i + 1) % n_win].name]  # the next window's weight (next block's)
+            following = layers[windows[i + 1].name].gathered if i + 1 < len(windows) else then
             before_gemm = True
             for mo in w.moments:
-                acts = earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out
-                ckpt_g = sum(kept[:mo.kept]) + kept[0] * pre  # kept ones and the next block's first
                 own = layer if mo.gemm else None
-                nxt = layer if before_gemm and not mo.gemm else after  # prefetched: the next gather to come
-                plain_g = (own.gathered if own is not None else 0.0) + nxt.gathered * pre
-                grads = inflight(order) + (own.dw if own is not None else 0.0)
-                moment(f"backward {label} {mo.name}", np.where(ck, ckpt_g, plain_g), grads, acts, 0.0,
-                       dres + transients[mo.transient])
+                nxt = layer.gathered if before_gemm and not mo.gemm else following
+                gathered = (own.gathered if own is not None else 0.0) + nxt * pre
+                if block:
+                    gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre, gathered)
+                moment(label + mo.name, gathered, inflight(order) + (own.dw if own is not None else 0.0),
+                       activations(live), logits[mo.logits], transients[mo.transient] + (dres if block else 0.0))
                 for k in mo.frees:
                     live.pop(k)
                 if mo.gemm:
                     order.append(layer)
                     before_gemm = False
 
-    # the embedding's backward: every block done, its fp32 gradient block
-    moment("backward embedding", 0.0, inflight(order) + emb.dw, 0.0, 0.0, dres)
+    # the loss, the LM head's and the final norm's backward: the stack of activations until the LM head's
+    # input is freed; the next gather is the last block's first: the recompute's (qkv) or the backward's (fc2)
+    first = np.where(ck, kept[0], layers[backward.block[0].name].gathered)
+    walk(forward.suffix + backward.prefix, "", lambda live: stack - T * hx * e + sum(live.values()), first,
+         {"head input": T * hx * e}, False)
+
+    # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
+    recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
+    one_block = np.where(ck, x_in, x_in + block_saved)
+    for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
+        walk(backward.block, f"backward {label} ",
+             lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,
+             layers[backward.block[0].name].gathered, dict(saved), True)
+
+    # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
+    walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False)
     moment("optimizer step", 0.0, 0.0, 0.0)
 
     return moments

@@ -56,9 +56,16 @@ class Moment:
     transient: str = ""
     kept: int = 0
     gemm: bool = False
+    logits: str = ""  # the LM head's logits live at it: "loss forward", "loss backward", "logits gradient"
 
 
-# the backward of one block as the trainer runs it (runtime/model.py): per window, its moments in order
+# the step's moments as the trainer runs it (runtime/model.py, loss.py): the loss at the end of the forward,
+# the LM head's and the final norm's backward, per block window, and the embedding's backward
+HEAD_FORWARD_MOMENTS = (Moment("forward loss", logits="loss forward"),)
+HEAD_BACKWARD_MOMENTS = (Moment("backward loss", logits="loss backward"),
+                         Moment("backward lm_head", ("head input",), "head dI", gemm=True, logits="logits gradient"),
+                         Moment("backward final norm", transient="norm"))
+EMBEDDING_MOMENTS = (Moment("backward embedding", transient="residual", gemm=True),)
 BLOCK_MOMENTS = {
     "fc2": (Moment("fc2", ("act",), "fc2", 4, True),),
     "fc1": (Moment("fc1", ("fc1", "h2"), "fc1", 3, True), Moment("norm2", ("x1",), "norm", 2)),
@@ -169,7 +176,7 @@ class Schedule:
 
 def _backward(name, comp, blocking, ar_bwd, wgrad, gather, rs, overlap: bool) -> Window:
     """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap."""
-    moments = BLOCK_MOMENTS.get(name, ())
+    moments = HEAD_BACKWARD_MOMENTS if name == "lm_head" else BLOCK_MOMENTS[name]
     if overlap:
         return Window(name, comp, blocking, [ar_bwd], wgrad, gather, [rs], moments=moments)
     return Window(name, comp, [ar_bwd] + blocking, [], wgrad, gather, [rs], moments=moments)
@@ -230,7 +237,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     emb_f = Window("embedding", {"element-wise": elem(elementwise.emb_fwd)}, [emb_colls["ar_fwd"]],
                    gather=[emb_colls["ag"]])
     lm_f = Window("lm_head", {"gemm fwd": gemm(head_gemms, "fwd"), "element-wise": elem(elementwise.head_fwd)},
-                  [head_colls["ar_fwd"], norm_f] + loss, gather=[head_colls["ag"]])
+                  [head_colls["ar_fwd"], norm_f] + loss, gather=[head_colls["ag"]], moments=HEAD_FORWARD_MOMENTS)
 
     attention_b = [{"attention": Op("attention", attn_b), "element-wise": elem(elementwise.block_bwd, 0.5)}, {},
                    {"element-wise": elem(elementwise.block_bwd, 0.5)}, {}]
@@ -245,7 +252,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
                      [norm_b], head_colls["ar_bwd"], head_gemms.wgrad, [head_colls["ag"]], head_colls["rs"], overlap)
-    emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]])
+    emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
+                   moments=EMBEDDING_MOMENTS)
     plain = [bwd_window(i, True) for i in reversed(range(4))]
     recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
