@@ -264,7 +264,7 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
                      f"NODES` to measure across nodes")
         inter_lat_src = inter_src
 
-    def predict(c, p, s, nbytes, lat, bw):
+    def predict(c, p, nbytes, lat, bw):
         sc = scales[c]
         return (ring_steps(c, p) * lat * sc["latency_scale"]
                 + ring_volume(c, p, nbytes) / (bw * sc["bandwidth_scale"]))
@@ -279,7 +279,7 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
             lat, bw = inter_lat, inter_bw / min(g[1], gpn)
         else:
             lat, bw = latency, ar[g].beta_bps
-        rel.append(predict(r["collective"], g[0], g[1], r["bytes"], lat, bw) / r["seconds"] - 1)
+        rel.append(predict(r["collective"], g[0], r["bytes"], lat, bw) / r["seconds"] - 1)
     model_rms = math.sqrt(sum(x * x for x in rel) / len(rel))
     model_max = max(abs(x) for x in rel)
     lo = min(r["bytes"] for r in rows)

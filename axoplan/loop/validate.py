@@ -440,14 +440,14 @@ def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[
         handlers = P.catch_stops()
         P.set_active(lock)
         try:
-            _run_all(sw, out, resume, plan, echo, launcher, runner)
+            _run_all(sw, out, plan, echo, launcher, runner)
         finally:
             P.set_active(None)
             P.restore_stops(handlers)
         return finish(out, _sweep_title(sw), echo)
 
 
-def _run_all(sw, out, resume, plan, echo, launcher, runner) -> None:
+def _run_all(sw, out, plan, echo, launcher, runner) -> None:
     res_path = out / RESULTS_FILE
     recorded = read_results(res_path, per_run=True) if res_path.exists() and res_path.stat().st_size else None
     if recorded is not None and _header(res_path) != RESULT_COLUMNS:

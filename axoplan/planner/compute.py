@@ -289,7 +289,7 @@ def fused_optimizer(profile: MachineProfile) -> bool:
     return profile.kind == "gpu"
 
 
-def step_work(model: ModelSpec, gx, gy, gz, gdata, micro_batch, seq_len: int, grad_acc, shard, fused: bool) -> Work:
+def step_work(model: ModelSpec, gx, gz, gdata, micro_batch, seq_len: int, grad_acc, shard, fused: bool) -> Work:
     """Once per step on rank 0 (train.py train_step): the keep mask and token count, zeroing the
     gradient buffer (shard: its fp32 elements), the replicated gradients over Z and D, the global
     norm and clipping, AdamW (fused per parameter group, or per tensor: 9 kernels, and 1 more with

@@ -266,7 +266,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     shard = (sum(comm.shard_elems(b, gz) for b in block_elems) * L + comm.shard_elems(lm_elems, gz)
              + comm.shard_elems(emb_elems, gz))
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
-    optimizer_s = work.optimizer_seconds(profile, work.step_work(model, gx, gy, gz, gd, mb, S, grad_acc, shard,
+    optimizer_s = work.optimizer_seconds(profile, work.step_work(model, gx, gz, gd, mb, S, grad_acc, shard,
                                                            work.fused_optimizer(profile)))
     plan = None
     if overlap and OVERLAP_DP:  # the trainer's buckets, one definition: comm.gradient_buckets

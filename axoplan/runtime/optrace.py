@@ -204,7 +204,7 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
               for lin in spec.block_linears()]
     v, h = spec.padded_vocab // g.gy, spec.hidden // g.gx
     shard = sum(shard_elems(b, g.gz) for b in blocks) * spec.n_layers + 2 * shard_elems(v * h, g.gz)
-    out["step"] = compute.step_work(spec, g.gx, g.gy, g.gz, g.gdata, cfg.micro_batch, S, grad_acc, shard, fused_optimizer)
+    out["step"] = compute.step_work(spec, g.gx, g.gz, g.gdata, cfg.micro_batch, S, grad_acc, shard, fused_optimizer)
     if fake:
         out["step"] = out["step"] + compute.Work(-16, -2)
     return out

@@ -481,7 +481,7 @@ def run_study(s: StudySettings, echo=print) -> dict:
     else:
         runs = _run_torchrun(s, job, out)
     wall = time.perf_counter() - t0
-    summary = build_summary(s, spec.name, seq, grid, docs, runs, wall)
+    summary = build_summary(s, spec.name, grid, docs, runs, wall)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "per_document.csv", per_document_csv(docs, runs))
     atomic_write_text(out / "generations.jsonl", generations_jsonl(docs, runs))
@@ -512,7 +512,7 @@ def _run_torchrun(s: StudySettings, job: dict, out: Path) -> dict:
     return runs
 
 
-def build_summary(s: StudySettings, model_name: str, seq: int, grid, docs: Documents, runs: dict, wall: float) -> dict:
+def build_summary(s: StudySettings, model_name: str, grid, docs: Documents, runs: dict, wall: float) -> dict:
     per_loss = {}
     for loss in LOSSES:
         r = runs[loss]
