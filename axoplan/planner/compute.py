@@ -19,6 +19,7 @@ class GemmTimes:
     wgrad: np.ndarray  # dW = I^T dO
     extrapolated: np.ndarray
     shapes: dict  # "fwd" | "dgrad" | "wgrad" -> (m, n, k) of C[m, n] = A[m, k] B[k, n], per candidate
+    layouts: dict  # "fwd" | "dgrad" | "wgrad" -> NN, NT, TN as written, or "best" where BLAS tuning picks
 
 
 def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuning: bool) -> GemmTimes:
@@ -31,7 +32,8 @@ def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuni
     f, e1 = profile.gemm_seconds(tokens, n, k, lay[0])
     d, e2 = profile.gemm_seconds(tokens, k, n, lay[1])
     w, e3 = profile.gemm_seconds(k, n, tokens, lay[2])
-    return GemmTimes(f, d, w, e1 | e2 | e3, {"fwd": (tokens, n, k), "dgrad": (tokens, k, n), "wgrad": (k, n, tokens)})
+    return GemmTimes(f, d, w, e1 | e2 | e3, {"fwd": (tokens, n, k), "dgrad": (tokens, k, n), "wgrad": (k, n, tokens)},
+                     dict(zip(("fwd", "dgrad", "wgrad"), (x or "best" for x in lay))))
 
 
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:

@@ -40,6 +40,7 @@ class Op:
     kind: str  # gemm | attention | element-wise
     seconds: object
     shape: tuple = ()  # GEMM: (m, n, k)
+    layout: str = ""  # GEMM: NN, NT, TN as written, or "best" (BLAS tuning)
     bytes: object = 0.0  # element-wise: bytes moved
     kernels: object = 1.0  # launches (a GEMM or attention: one)
 
@@ -205,7 +206,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         extrapolated |= layer_gemms.extrapolated
 
     def gemm(times: work.GemmTimes, which: str) -> Op:
-        return Op("gemm", getattr(times, which), times.shapes[which])
+        return Op("gemm", getattr(times, which), times.shapes[which], times.layouts[which])
 
     def elem(w: work.Work, share: float = 1.0) -> Op:
         w = w * share
