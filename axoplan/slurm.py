@@ -8,6 +8,7 @@ from pathlib import Path
 
 from axoplan.shell import check_script, slug
 
+
 def slurm_time(seconds: float) -> str:
     """--time as HH:MM:SS, rounded up to whole minutes (at least one)."""
     s = 60 * max(1, math.ceil(seconds / 60))
