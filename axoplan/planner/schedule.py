@@ -78,7 +78,8 @@ BLOCK_MOMENTS = {
 
 @dataclass
 class Window:
-    """One layer's step: compute-stream seconds by op, and the collectives by how they meet the compute."""
+    """One layer's step: its ops on the compute stream, the collectives by how they meet the compute, and
+    the moments inside it where memory can peak."""
 
     name: str
     compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> Op
@@ -87,7 +88,7 @@ class Window:
     wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
     gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
     scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
-    moments: tuple = ()  # backward windows: where memory can peak inside it (Moment), in order
+    moments: tuple = ()  # where memory can peak inside it (Moment), in order (the memory walk's windows)
     _compute: object = field(default=None, repr=False)
 
     def compute_s(self):
