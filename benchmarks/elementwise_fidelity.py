@@ -9,7 +9,7 @@ trainer_op_counts.py, which counted one CPU grid of one and fed hand-copied cons
 import argparse
 import time
 
-from axoplan.loop.launch import Grid, LaunchConfig
+from axoplan.runconfig import Grid, LaunchConfig
 from axoplan.runtime.optrace import PHASES, count_step, modelled_step
 
 # (model, grid gx,gy,gz,gdata, global batch, micro-batch, checkpointing): the published GPT-20B run, Llama-3 8B

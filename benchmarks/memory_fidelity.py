@@ -56,7 +56,7 @@ def _real_worker(rank, world, port, cases, out_path):
     import torch
     import torch.distributed as dist
 
-    from axoplan.loop.launch import Grid, LaunchConfig
+    from axoplan.runconfig import Grid, LaunchConfig
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.memtrace import MemoryTracer
     from axoplan.runtime.train import Trainer, resolve

@@ -65,7 +65,7 @@ def main():
                     help="the trainer's BLAS tuning (auto: off on CPU)")
     args = ap.parse_args()
 
-    from axoplan.loop.launch import LaunchConfig
+    from axoplan.runconfig import LaunchConfig
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Trainer, init_distributed
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank, world, port, args, out):
-    from axoplan.loop.launch import Grid, LaunchConfig, Overlap
+    from axoplan.runconfig import Grid, LaunchConfig, Overlap
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Resolved, Trainer
 

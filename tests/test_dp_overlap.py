@@ -170,7 +170,7 @@ def test_trainer_launches_each_bucket_inside_the_last_backward(monkeypatch):
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from axoplan.loop.launch import Grid, LaunchConfig, Overlap
+    from axoplan.runconfig import Grid, LaunchConfig, Overlap
     from axoplan.runtime.dryrun import _fake_world
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Resolved, Trainer

@@ -343,7 +343,8 @@ def test_the_kind_of_device_is_said_not_guessed(write_profile, tmp_path):
     import yaml
 
     from axoplan.errors import UserError
-    from axoplan.loop.launch import LaunchConfig, is_cpu_profile, slurm_script
+    from axoplan.loop.launch import is_cpu_profile, slurm_script
+    from axoplan.runconfig import LaunchConfig
     from conftest import profile_dict
 
     raw = profile_dict(name="gpu-fp32", dtype="fp32")

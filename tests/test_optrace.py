@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 
 import yaml
 
-from axoplan.loop.launch import Grid, LaunchConfig, Overlap
+from axoplan.runconfig import Grid, LaunchConfig, Overlap
 from axoplan.runtime.optrace import (
     PHASES,
     OpCounter,

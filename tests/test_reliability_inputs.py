@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from axoplan import inputs
 from axoplan.errors import UserError
-from axoplan.loop.launch import config_from_dict
+from axoplan.runconfig import config_from_dict
 from axoplan.planner.machine import load_profile
 from axoplan.runtime.dist_env import read_env
 from axoplan.planner.specs import load_model
@@ -151,7 +151,7 @@ def test_every_bad_model_file_is_one_sentence_and_fast(tmp_path, capsys):
 
 
 def test_every_bad_file_as_a_profile_or_a_train_config_is_a_user_error(tmp_path):
-    from axoplan.loop.launch import load_config
+    from axoplan.runconfig import load_config
 
     for name in _files(tmp_path):
         for load in (load_profile, load_config):

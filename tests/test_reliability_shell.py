@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from axoplan.cli.main import main
 from axoplan.errors import UserError
 from axoplan.loop.launch import (
-    LaunchConfig,
     config_from_row,
     launch_env,
     slurm_script,
     torchrun_script,
 )
 from axoplan.planner.machine import load_profile
+from axoplan.runconfig import LaunchConfig
 from axoplan.shell import comment, quote
 from axoplan.calibrate.slurm import sbatch_script
 

@@ -20,7 +20,7 @@ def _run(args, timeout=120):
 
 
 def test_print_config_is_a_complete_config(tmp_path):
-    from axoplan.loop.launch import LaunchConfig, load_config
+    from axoplan.runconfig import LaunchConfig, load_config
 
     r = _run(CLI + ["--print-config"])
     assert r.returncode == 0

@@ -45,7 +45,7 @@ def tiny_model(layers: int, hidden: int, heads: int, vocab: int, seq: int):
 
 def _trainer(model, grad_acc: int, micro_batch: int, device, dtype):
     """A Trainer on a grid of one, whatever the world around it: no collective is issued."""
-    from axoplan.loop.launch import LaunchConfig
+    from axoplan.runconfig import LaunchConfig
     from axoplan.runtime.grid import Coords, ParallelGrid
     from axoplan.runtime.train import Resolved, Trainer
 

@@ -408,7 +408,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
     trainer's collectives and overlap; a refit on real runs starts from these."""
     import numpy as np
 
-    from axoplan.loop.launch import ORDERS
+    from axoplan.planner.space import ORDERS
     from axoplan.loop.refit import RunSet, refit_profile
     from axoplan.planner.space import Candidates
     from axoplan.planner.specs import Job

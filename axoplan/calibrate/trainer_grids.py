@@ -58,7 +58,7 @@ def grids(world: int, model) -> list[tuple[int, int, int, int, str, int]]:
     micro-batch = all of a rank's sequences (one micro-step); at most MAX_GRIDS, evenly spread."""
     import numpy as np
 
-    from axoplan.loop.launch import ORDERS
+    from axoplan.planner.space import ORDERS
     from axoplan.planner.space import enumerate_space, grid_problem
 
     gb = global_batch(world)
@@ -82,7 +82,7 @@ def plan(world: int) -> list[tuple[tuple, tuple]]:
 def run(world: int, device, dtype, mean_over_ranks: Callable[[list[float]], list[float]],
         on_result: Callable[[GridStep], None], warmup: int = WARMUP, steps: int = STEPS) -> None:
     """Every rank calls this at once (the grids' process groups are made by all ranks together)."""
-    from axoplan.loop.launch import LaunchConfig
+    from axoplan.runconfig import LaunchConfig
     from axoplan.runtime.grid import build_grid
     from axoplan.runtime.train import Resolved, Trainer
 

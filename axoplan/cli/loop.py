@@ -11,7 +11,7 @@ import click
 from axoplan import inputs
 from axoplan.cli.plan import parse_grid
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 
 
 def _job_options(f):

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from axoplan import inputs
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 from axoplan.planner.machine import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
 from axoplan.planner.rank import explain as explain_api

@@ -12,7 +12,7 @@ import pandas as pd
 from axoplan import inputs, plots
 from axoplan.atomic import atomic_write_text, check_writable
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 from axoplan.studies.scale import (
     COLUMNS,
     parse_gpus,

@@ -33,7 +33,7 @@ def check_environment(cfg) -> None:
 @click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
 def train(config_path, print_config):
     """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
-    from axoplan.loop.launch import example_config_yaml, load_config
+    from axoplan.runconfig import example_config_yaml, load_config
 
     if print_config:
         click.echo(example_config_yaml(), nl=False)

@@ -22,7 +22,7 @@ import pandas as pd
 import yaml
 
 from axoplan.errors import UserError
-from axoplan.loop.launch import ORDERS
+from axoplan.planner.space import ORDERS
 from axoplan.planner.machine import Corrections, MachineProfile, load_profile
 
 SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from axoplan.loop.launch import Overlap
+from axoplan.runconfig import Overlap
 from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.comm import Collective

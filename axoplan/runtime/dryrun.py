@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from axoplan.loop.launch import LaunchConfig
+from axoplan.runconfig import LaunchConfig
 from axoplan.runtime.grid import build_grid
 from axoplan.runtime.memtrace import KINDS, MemoryTracer
 from axoplan.runtime.train import DTYPES, Resolved, Trainer
@@ -89,7 +89,7 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     from axoplan.planner.memory import KIND_NAMES
     from axoplan.planner.memory import KINDS as MODEL_KINDS
     from axoplan.errors import UserError
-    from axoplan.loop.launch import Grid, Overlap
+    from axoplan.runconfig import Grid, Overlap
     from axoplan.planner.machine import GIB
     from axoplan.planner.rank import explain
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from axoplan.loop.launch import Goldfish, Grid, LaunchConfig, Overlap
+from axoplan.runconfig import Goldfish, Grid, LaunchConfig, Overlap
 from axoplan.planner.specs import ModelSpec
 from axoplan.runtime.data import SyntheticText
 from axoplan.runtime.grid import build_grid

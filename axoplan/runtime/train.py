@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from axoplan.atomic import append_line, atomic_write_bytes
 from axoplan.errors import UserError
-from axoplan.loop.launch import LaunchConfig
+from axoplan.runconfig import LaunchConfig
 from axoplan.planner.space import grid_problem
 from axoplan.planner.specs import ModelSpec, load_model
 from axoplan.runtime.data import local_indices, open_source

@@ -344,7 +344,7 @@ def mean_loss(model, seqs: np.ndarray, batch: int = 16) -> float:
 
 
 def _launch_config(s: StudySettings, seq: int, grid, micro: int, goldfish: bool, metrics: str | None):
-    from axoplan.loop.launch import Goldfish, Grid, LaunchConfig
+    from axoplan.runconfig import Goldfish, Grid, LaunchConfig
 
     gx, gy, gz, gd = grid
     return LaunchConfig(model=s.model, grid=Grid(gx, gy, gz, gd), global_batch=s.global_batch, micro_batch=micro,

@@ -1,0 +1,199 @@
+"""LaunchConfig: the one schema for a training run. `emit` writes it, `axoplan train` reads it,
+`validate` produces it, and the planner reads its defaults (the trainer's overlap). Torch-free, so the
+planner can write configs on a login node."""
+from __future__ import annotations
+
+import dataclasses
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from axoplan import inputs
+from axoplan.errors import UserError
+from axoplan.planner.space import ORDERS
+from axoplan.yamlio import load_yaml
+
+
+@dataclass
+class Grid:
+    gx: int = 1
+    gy: int = 1
+    gz: int = 1
+    gdata: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.gx * self.gy * self.gz * self.gdata
+
+
+@dataclass
+class Overlap:
+    all_reduce: bool = True  # OAR: dI all-reduce under the dW GEMM
+    reduce_scatter: bool = True  # ORS: dW reduce-scatters issued non-blocking, behind the backward compute
+    all_gather: bool = True  # OAG: next layer's weight all-gather prefetched one layer ahead
+    max_inflight_reduce_scatters: int = 2  # ORS: at most this many in flight; the oldest is waited for first
+    data_parallel: bool = True  # gradient D all-reduces launched per layer in the last backward, waited before clipping
+
+
+@dataclass
+class Goldfish:
+    k: int = 4
+    h: int = 13
+
+
+@dataclass
+class LaunchConfig:
+    model: str = "gpt-tiny"  # preset name or path to a model YAML
+    grid: Grid = field(default_factory=Grid)
+    order: str = "xyz"  # placement of x, y, z, innermost first; data is always outermost
+    global_batch: int = 8  # sequences per optimizer step, over all GPUs
+    micro_batch: int = 1  # sequences per GPU per micro-step; grad_acc = global_batch / (gdata*gz*micro_batch)
+    seq_len: int | None = None  # None: the model's seq_len
+    steps: int = 10
+    warmup_steps: int = 2  # steps left out of the summary's median
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    overlap: Overlap = field(default_factory=Overlap)
+    checkpointing: bool = False  # full activation checkpointing per block
+    goldfish: Goldfish | None = None  # null: standard loss
+    data: str = "synthetic"  # 'synthetic' or a path to a text file or a folder of text files
+    seed: int = 0
+    metrics: str | None = "metrics.jsonl"  # JSON-lines file (rank 0 writes); null: stdout only
+    machine: str | None = None  # profile name or path, for % of peak in metrics; null: no %
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or fp32, bf16
+    collective_dtype: str = "auto"  # auto: the compute dtype; or fp32, bf16
+    blas_tuning: str = "auto"  # auto: on with CUDA, off on CPU; or on, off
+    backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise; or nccl, gloo
+    save: str | None = None  # path to write the final parameters (a torch file), or null
+
+    def validate(self, where: str = "config") -> LaunchConfig:
+        def bad(msg):
+            raise UserError(f"{where}: {msg}")
+
+        for name in ("gx", "gy", "gz", "gdata"):
+            v = getattr(self.grid, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(f"grid.{name} must be a positive integer, got {inputs.show(v)}")
+        if self.order not in ORDERS:
+            bad(f"order must be one of {', '.join(ORDERS)}, got {inputs.show(self.order)}")
+        for name, hi in (("global_batch", inputs.MAX_GLOBAL_BATCH), ("micro_batch", inputs.MAX_GLOBAL_BATCH),
+                         ("steps", inputs.MAX_STEPS)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(f"{name} must be a positive integer, got {inputs.show(v)}")
+            if v > hi:
+                bad(f"{name} must be at most {hi:,}, got {inputs._short(v)}")
+        if self.grid.size > inputs.MAX_GPUS:
+            bad(f"the grid has {self.grid.size:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
+        if (not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0
+                or self.warmup_steps > inputs.MAX_STEPS):
+            bad(f"warmup_steps must be a non-negative integer, got {inputs.show(self.warmup_steps)}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
+                                         or not 0 < self.seq_len <= inputs.MAX_SEQ_LEN):
+            bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {inputs.show(self.seq_len)}")
+        self._validate_training(bad)
+        self._validate_text(bad, where)
+        for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("collective_dtype", ("auto", "fp32", "bf16")),
+                              ("blas_tuning", ("auto", "on", "off")), ("backend", ("auto", "nccl", "gloo"))):
+            if getattr(self, name) not in allowed:
+                bad(f"{name} must be one of {', '.join(allowed)}, got {inputs.show(getattr(self, name))}")
+        mif = self.overlap.max_inflight_reduce_scatters
+        if not isinstance(mif, int) or isinstance(mif, bool) or mif < 1:
+            bad(f"overlap.max_inflight_reduce_scatters must be a positive integer, got {inputs.show(mif)}")
+        if self.goldfish is not None:
+            if not isinstance(self.goldfish.k, int) or isinstance(self.goldfish.k, bool) or self.goldfish.k < 2:
+                bad(f"goldfish.k must be an integer >= 2, got {inputs.show(self.goldfish.k)}")
+            if not isinstance(self.goldfish.h, int) or isinstance(self.goldfish.h, bool) or self.goldfish.h < 1:
+                bad(f"goldfish.h must be a positive integer, got {inputs.show(self.goldfish.h)}")
+        return self
+
+    def _validate_training(self, bad) -> None:
+        """Optimizer numbers and switches: a string, nan or inf here would train to NaN or crash mid-run."""
+        def num(name, v, lo_open):
+            ok = not isinstance(v, (bool, str))
+            try:
+                ok = ok and inputs.number(v, name, lo=0, lo_open=lo_open) is not None
+            except UserError:
+                ok = False
+            if not ok:
+                bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {inputs.show(v)}")
+
+        num("lr", self.lr, True)
+        num("weight_decay", self.weight_decay, False)
+        num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:
+            bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {inputs.show(self.seed)}")
+        for name in ("all_reduce", "reduce_scatter", "all_gather", "data_parallel"):
+            if not isinstance(getattr(self.overlap, name), bool):
+                bad(f"overlap.{name} must be true or false, got {inputs.show(getattr(self.overlap, name))}")
+        if not isinstance(self.checkpointing, bool):
+            bad(f"checkpointing must be true or false, got {inputs.show(self.checkpointing)}")
+
+    def _validate_text(self, bad, where: str) -> None:
+        """Names and paths: text without control characters (they reach scripts and one-line records)."""
+        for name, optional in (("model", False), ("data", False), ("metrics", True), ("machine", True),
+                               ("save", True)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if not isinstance(v, str) or not v:
+                bad(f"{name} must be {'a path or null' if optional else 'a name or path'}, got {inputs.show(v)}")
+            inputs.text(v, f"{where}: {name}")
+        for name in ("metrics", "save"):
+            v = getattr(self, name)
+            if v is not None and (v.endswith("/") or Path(v).is_dir()):
+                bad(f"{name} '{v}' is a folder; give a file name")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def write(self, path: str | Path) -> Path:
+        from axoplan.atomic import atomic_write_text
+
+        return atomic_write_text(path, self.to_yaml())
+
+
+_NESTED = {"grid": Grid, "overlap": Overlap, "goldfish": Goldfish}
+
+
+def _build(cls, d: Any, where: str, prefix: str = ""):
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in set(d) - names)
+    if unknown:
+        raise UserError(f"{where}: unknown key '{prefix}{unknown[0]}' (known: {', '.join(sorted(names))})")
+    kw = {}
+    for k, v in d.items():
+        if k in _NESTED and cls is LaunchConfig:
+            kw[k] = None if v is None and k == "goldfish" else _build(_NESTED[k], v, where, f"{k}.")
+        else:
+            kw[k] = v
+    return cls(**kw)
+
+
+def config_from_dict(d: Any, where: str = "config") -> LaunchConfig:
+    return _build(LaunchConfig, d, where).validate(where)
+
+
+def load_config(path: str | Path) -> LaunchConfig:
+    p = Path(inputs.text(str(path), "--config"))
+    where = f"config '{p}'"
+    d = load_yaml(p, where)
+    return config_from_dict(d if d is not None else {}, where)
+
+
+def example_config_yaml() -> str:
+    """A complete example with every key at its default, commented for people."""
+    buf = io.StringIO()
+    buf.write("# axoplan train config: every key with its default (axoplan train --print-config)\n")
+    buf.write(LaunchConfig(goldfish=None).to_yaml())
+    buf.write("# goldfish loss instead of the standard loss:\n# goldfish: {k: 4, h: 13}\n")
+    return buf.getvalue()
