@@ -84,28 +84,30 @@ def make_plan(world: int, ranks_per_node: int, cuda: bool, quick: bool, models: 
                 gemm_repeats=3, repeats=3 if quick else 5, gemm_values=values)
 
 
-def _rss_bytes() -> int:
+def _proc_kib(path: str, key: str) -> int | None:
+    """A "key: N kB" line of a /proc file in bytes; None where the file or the line is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _rss_bytes() -> int:
+    rss = _proc_kib("/proc/self/status", "VmRSS:")
+    if rss is not None:
+        return rss
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _mem_total_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = _proc_kib("/proc/meminfo", "MemTotal:")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _loadavg() -> list[float] | None:
