@@ -84,9 +84,8 @@ def axoplan_layer_time(profile, lin, B, S, gx, gy, gz, gd, grad_acc=1):
     T = (B // (gd * gz) // grad_acc) * S
     cl = C.linear_collectives(profile, g, lin, np.array([float(T)]), 2)
     per_mb = 2 * cl["ar_fwd"].seconds + cl["ar_bwd"].seconds + 2 * cl["ag"].seconds + cl["rs"].seconds
-    ax_in, ax_out = C.linear_axes(lin)
-    g_in, g_out = {"x": gx, "y": gy}[ax_in], {"x": gx, "y": gy}[ax_out]
-    shard = (lin.k // g_in) * (lin.n // g_out) / gz
+    k, n = lin.local(gx, gy)
+    shard = k * n / gz
     dp = C.data_parallel_collectives(profile, g, np.array([shard]), 0.0)[0].seconds
     return float((grad_acc * per_mb + dp)[0])
 

@@ -67,7 +67,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
     comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
     exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
-    shard, replicated = sched.shard_elems, sched.replicated_elems
+    shard, replicated = sched.params.total, sched.replicated_elems
 
     # ---- memory ------------------------------------------------------------------------------------
     # memory depends on (gx, gy, gz, micro-batch, checkpointing) only: evaluated once per distinct row
@@ -78,8 +78,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         return x[first] if np.ndim(x) else x
 
     mem = memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
-                 pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in sched.block_elems],
-                 pick(sched.lm_elems), pick(sched.emb_elems), e, prefetch=overlap,
+                 pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in sched.params.blocks],
+                 pick(sched.params.lm_head), pick(sched.params.embedding), e, prefetch=overlap,
                  max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
                  passes=(sched.forward, sched.backward),
                  fused=profile.elementwise_kernels == "fused", breakdown=explain)

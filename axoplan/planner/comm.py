@@ -8,7 +8,7 @@ exact norms over X-sharded channels, and the data-parallel gradient all-reduce (
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,15 +24,25 @@ DP_BUCKET_BYTES = 25 * 2**20
 @dataclass
 class Groups:
     """Per axis and candidate: group size, stride, bus bandwidth (bytes/s), latency per ring step (s),
-    and each collective's ring cost as time = nbytes * per_byte + fixed (see ring_time)."""
+    whether the group stays inside a node, and each collective's ring cost as time = nbytes * per_byte +
+    fixed (ring(); see ring_time)."""
 
+    profile: MachineProfile = field(repr=False)
     size: dict
     stride: dict
     busbw: dict
     latency: dict
-    per_byte: dict  # (axis, kind) -> s/byte
-    fixed: dict  # (axis, kind) -> s
+    inside: dict
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
+    _ring: dict = field(default_factory=dict, repr=False)
+
+    def ring(self, axis: str, kind: str) -> tuple:
+        """(per_byte, fixed) of this collective over this axis, computed on first use (a step uses 7 of the
+        18 pairs of axis and kind)."""
+        if (axis, kind) not in self._ring:
+            self._ring[axis, kind] = _ring_coefficients(self.profile, kind, self.size[axis], self.busbw[axis],
+                                                        self.latency[axis], self.inside[axis], self.stride[axis])
+        return self._ring[axis, kind]
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -100,33 +110,6 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
     return per_byte, fixed
 
 
-class _Coefficients(dict):
-    """per_byte[(axis, kind)], computed on first use: a step uses 7 of the 18 (axis, kind) pairs."""
-
-    def __init__(self, profile, size, busbw, lat, inside, stride):
-        super().__init__()
-        self.fixed = _Fixed(self)
-        self._args = (profile, size, busbw, lat, inside, stride)
-
-    def __missing__(self, key):
-        profile, size, busbw, lat, inside, stride = self._args
-        a, kind = key
-        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a], inside[a], stride[a])
-        return self[key]
-
-
-class _Fixed(dict):
-    """fixed[(axis, kind)], computed with per_byte."""
-
-    def __init__(self, per_byte):
-        super().__init__()
-        self._per_byte = per_byte
-
-    def __missing__(self, key):
-        self._per_byte[key]  # computes both
-        return self[key]
-
-
 def place(profile: MachineProfile, c: Candidates) -> Groups:
     """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
     together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
@@ -144,14 +127,13 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         busbw[name] = np.min([busbw[a] for a in axes], axis=0)
         lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
         inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
-    per_byte = _Coefficients(profile, size, busbw, lat, inside, stride)
     shapes = None
     if profile.coll_table is not None:
         shapes = {}
         for a, sz in size.items():
             pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
-    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes)
+    return Groups(profile, size, stride, busbw, lat, inside, shapes)
 
 
 def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
@@ -216,7 +198,8 @@ def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
+    per_byte, fixed = g.ring(axis, kind)
+    t = nbytes * per_byte + fixed
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
         pairs, inv = g.shapes[axis]
@@ -230,23 +213,38 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
 
 
-def linear_axes(lin: LinearShape) -> tuple[str, str]:
-    """(axis splitting in-features, axis splitting out-features)."""
-    return ("y", "x") if lin.transposed else ("x", "y")
-
-
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int) -> dict[str, Collective]:
     """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
     all-gather of the weight block and reduce-scatter of its gradient over Z."""
-    ax_in, ax_out = linear_axes(lin)
-    g_in, g_out = g.size[ax_in], g.size[ax_out]
-    block = padded_block((lin.k // g_in) * (lin.n // g_out), g.size["z"]) * dtype_bytes
+    ax_in, ax_out = lin.axes
+    k, n = lin.local(g.size["x"], g.size["y"])
+    block = padded_block(k * n, g.size["z"]) * dtype_bytes
     return {
-        "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * (lin.n // g_out) * dtype_bytes),
-        "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * (lin.k // g_in) * dtype_bytes),
+        "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * n * dtype_bytes),
+        "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * k * dtype_bytes),
         "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
         "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block),
     }
+
+
+@dataclass
+class ParameterShards:
+    """One rank's weights: elements of each block linear's [k/g_in, n/g_out] block (qkv, attn_out, fc1, fc2),
+    of the LM head's and of the embedding's, before Z sharding; `total` the fp32 elements of its Z shards."""
+
+    blocks: list
+    lm_head: np.ndarray
+    embedding: np.ndarray
+    total: np.ndarray
+
+
+def parameter_shards(model: ModelSpec, gx, gy, gz) -> ParameterShards:
+    blocks = [k * n for k, n in (lin.local(gx, gy) for lin in model.block_linears())]
+    k, n = model.lm_head().local(gx, gy)
+    rows, cols = model.embedding_local(gx, gy)
+    lm, emb = k * n, rows * cols
+    total = sum(shard_elems(b, gz) for b in blocks) * model.n_layers + shard_elems(lm, gz) + shard_elems(emb, gz)
+    return ParameterShards(blocks, lm, emb, total)
 
 
 def padded_block(elems, gz) -> np.ndarray:
@@ -271,10 +269,11 @@ def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) ->
 def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes) -> dict[str, Collective]:
     """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
     all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
-    block = padded_block((model.padded_vocab // g.size["y"]) * (model.hidden // g.size["x"]), g.size["z"]) * dtype_bytes
+    rows, cols = model.embedding_local(g.size["x"], g.size["y"])
+    block = padded_block(rows * cols, g.size["z"]) * dtype_bytes
     return {
         "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
-        "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * (model.hidden // g.size["x"]) * dtype_bytes),
+        "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * cols * dtype_bytes),
         "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block),
     }
 

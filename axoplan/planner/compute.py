@@ -8,7 +8,6 @@ import numpy as np
 
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.specs import LinearShape, ModelSpec
-from axoplan.planner.comm import linear_axes
 from axoplan.planner.rows import distinct_rows
 
 
@@ -24,10 +23,7 @@ class GemmTimes:
 
 def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuning: bool) -> GemmTimes:
     """Local GEMMs of one layer: [T, k/g_in] x [k/g_in, n/g_out] and its two backward products."""
-    ax_in, _ = linear_axes(lin)
-    g_in, g_out = (gx, gy) if ax_in == "x" else (gy, gx)
-    k = lin.k // g_in
-    n = lin.n // g_out
+    k, n = lin.local(gx, gy)
     lay = (None, None, None) if tuning else ("NN", "NT", "TN")
     f, e1 = profile.gemm_seconds(tokens, n, k, lay[0])
     d, e2 = profile.gemm_seconds(tokens, k, n, lay[1])
@@ -202,9 +198,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     later = (np.asarray(grad_acc) - 1) / np.asarray(grad_acc)  # AccumulateGrad adds from the 2nd micro-batch on
 
     def shard(lin):
-        g_in, g_out = (gy, gx) if lin.transposed else (gx, gy)
-        nb = (lin.k // g_in) * (lin.n // g_out)
-        return -(-nb // gz), nb
+        k, n = lin.local(gx, gy)
+        return -(-(k * n) // gz), k * n
 
     lins = model.block_linears()
     casts = [Work((4 + e) * shard(lin)[0], 1) * half for lin in lins]
@@ -228,7 +223,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
 
     # outside the blocks
     V = model.padded_vocab / np.asarray(gy)
-    nb_emb = (model.padded_vocab // np.asarray(gy)) * (model.hidden // np.asarray(gx))
+    rows, cols = model.embedding_local(np.asarray(gx), np.asarray(gy))
+    nb_emb = rows * cols
     s_emb = -(-nb_emb // gz)
     s_lm, nb_lm = shard(model.lm_head())
     learned = model.position == "learned"

@@ -84,8 +84,7 @@ class Window:
     name: str
     compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> Op
     blocking: list = field(default_factory=list)  # collectives the compute stream waits for
-    beside_wgrad: list = field(default_factory=list)  # OAR: run beside this window's dW GEMM
-    wgrad: object = 0.0  # seconds of the dW GEMM the beside_wgrad collectives hide under
+    beside_wgrad: list = field(default_factory=list)  # OAR: run beside this window's dW GEMM ("gemm wgrad")
     gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
     scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
     moments: tuple = ()  # where memory can peak inside it (Moment), in order (the memory walk's windows)
@@ -125,11 +124,8 @@ class Schedule:
     buckets: comm.BucketPlan | None  # the D gradient all-reduce's buckets when it overlaps the last backward
     groups: comm.Groups
     extrapolated: np.ndarray  # some GEMM shape fell outside a measured table
-    shard_elems: np.ndarray  # fp32 elements of this rank's sharded parameters
     replicated_elems: np.ndarray  # elements of the replicated parameters (norm weights, positions)
-    block_elems: list  # per block linear: elements of its [k/g_in, n/g_out] block before Z sharding
-    lm_elems: np.ndarray
-    emb_elems: np.ndarray
+    params: comm.ParameterShards  # this rank's weight blocks and fp32 shard elements
 
     def passes(self, checkpointing: bool) -> tuple[Pass, Pass]:
         return self.forward, (self.backward_recompute if checkpointing else self.backward)
@@ -176,12 +172,12 @@ class Schedule:
         return [v for v in rows.values() if int(np.ravel(self.groups.size[v[0].axis])[i]) > 1]
 
 
-def _backward(name, comp, blocking, ar_bwd, wgrad, gather, rs, overlap: bool) -> Window:
+def _backward(name, comp, blocking, ar_bwd, gather, rs, overlap: bool) -> Window:
     """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap."""
     moments = HEAD_BACKWARD_MOMENTS if name == "lm_head" else BLOCK_MOMENTS[name]
     if overlap:
-        return Window(name, comp, blocking, [ar_bwd], wgrad, gather, [rs], moments=moments)
-    return Window(name, comp, [ar_bwd] + blocking, [], wgrad, gather, [rs], moments=moments)
+        return Window(name, comp, blocking, [ar_bwd], gather, [rs], moments=moments)
+    return Window(name, comp, [ar_bwd] + blocking, [], gather, [rs], moments=moments)
 
 
 def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
@@ -248,12 +244,12 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         comp = {"gemm dgrad": gemm(gemms[i], "dgrad"), "gemm wgrad": gemm(gemms[i], "wgrad"), **attention_b[i]}
         if with_gather:
             comp["weight cast"] = casts[i]
-        return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"], gemms[i].wgrad,
+        return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"],
                          [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap)
 
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
-                     [norm_b], head_colls["ar_bwd"], head_gemms.wgrad, [head_colls["ag"]], head_colls["rs"], overlap)
+                     [norm_b], head_colls["ar_bwd"], [head_colls["ag"]], head_colls["rs"], overlap)
     emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
                    moments=EMBEDDING_MOMENTS)
     plain = [bwd_window(i, True) for i in reversed(range(4))]
@@ -261,21 +257,17 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
-    block_elems = [(lin.k // (gx if not lin.transposed else gy)) * (lin.n // (gy if not lin.transposed else gx))
-                   for lin in lins]
-    lm_elems = (lm.k // gx) * (lm.n // gy)
-    emb_elems = (model.padded_vocab // gy) * (model.hidden // gx)
-    shard = (sum(comm.shard_elems(b, gz) for b in block_elems) * L + comm.shard_elems(lm_elems, gz)
-             + comm.shard_elems(emb_elems, gz))
+    params = comm.parameter_shards(model, gx, gy, gz)
+    shard = params.total
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
     optimizer_s = work.optimizer_seconds(profile, work.step_work(model, gx, gz, gd, mb, S, grad_acc, shard,
                                                            work.fused_optimizer(profile)))
     plan = None
     if overlap and OVERLAP_DP:  # the trainer's buckets, one definition: comm.gradient_buckets
-        plan = comm.gradient_buckets(sum(comm.shard_elems(b, gz) for b in block_elems),
-                                     comm.shard_elems(lm_elems, gz), comm.shard_elems(emb_elems, gz), L)
+        plan = comm.gradient_buckets(sum(comm.shard_elems(b, gz) for b in params.blocks),
+                                     comm.shard_elems(params.lm_head, gz), comm.shard_elems(params.embedding, gz), L)
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None)
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
-                    step, optimizer_s, plan, g, extrapolated, shard, replicated, block_elems, lm_elems, emb_elems)
+                    step, optimizer_s, plan, g, extrapolated, replicated, params)

@@ -32,6 +32,17 @@ class LinearShape:
     n: int  # out_features
     transposed: bool  # AxoNN's transpose=True: in-features over Y, out-features over X
 
+    @property
+    def axes(self) -> tuple[str, str]:
+        """(axis splitting the in-features, axis splitting the out-features): normal x, y; transposed y, x."""
+        return ("y", "x") if self.transposed else ("x", "y")
+
+    def local(self, gx, gy) -> tuple:
+        """(k, n) of one rank's [k/g_in, n/g_out] block of the weight, per candidate (gx, gy arrays or ints)."""
+        size = {"x": gx, "y": gy}
+        ax_in, ax_out = self.axes
+        return self.k // size[ax_in], self.n // size[ax_out]
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -88,6 +99,10 @@ class ModelSpec:
 
     def lm_head(self) -> LinearShape:
         return LinearShape("lm_head", self.hidden, self.padded_vocab, False)
+
+    def embedding_local(self, gx, gy) -> tuple:
+        """(rows, columns) of one rank's [V/gy, H/gx] block of the vocabulary-parallel embedding."""
+        return self.padded_vocab // gy, self.hidden // gx
 
     @property
     def n_params(self) -> int:

@@ -115,7 +115,8 @@ def timed(w: Window, side_by_side, overlap: bool) -> Timed:
     blocking = sum(c.seconds for c in w.blocking)
     if w.beside_wgrad:
         ar = sum(c.seconds for c in w.beside_wgrad)
-        blocking = blocking + (side_by_side(w.wgrad, ar) - w.wgrad if overlap else ar)
+        wgrad = w.compute["gemm wgrad"].seconds
+        blocking = blocking + (side_by_side(wgrad, ar) - wgrad if overlap else ar)
     return Timed(w.name, w.compute_s(), blocking, sum(c.seconds for c in w.gather), sum(c.seconds for c in w.scatter))
 
 

@@ -69,7 +69,7 @@ class ParallelGPT:
             layers = {}
             for lin in spec.block_linears():
                 name = f"blocks.{i}.{lin.name}"
-                ia, oa = ("y", "x") if lin.transposed else ("x", "y")
+                ia, oa = lin.axes
                 rows = _part(lin.k, sizes[ia], xs[ia])
                 cols = self._out_columns(lin.name, lin.n, sizes[oa], xs[oa])
                 self.weights[name] = sharded(name, rows, cols, f"{xs[ia]}/{xs[oa]}")

@@ -189,7 +189,7 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
     count_step sees it, without the step's two host reads of its metrics (a fake tensor holds no value,
     so Trainer._item dispatches nothing)."""
     from axoplan.planner import compute
-    from axoplan.planner.comm import shard_elems
+    from axoplan.planner.comm import parameter_shards
     from axoplan.planner.specs import load_model
 
     spec = load_model(cfg.model)
@@ -200,10 +200,7 @@ def modelled_step(cfg, dtype: str = "bf16", fused_optimizer: bool = True, fake: 
     work = compute.elementwise_work(spec, g.gx, g.gy, g.gz, cfg.micro_batch, S, e, grad_acc,
                               prefetch=cfg.overlap.all_gather)
     out = work.phases(spec.n_layers, cfg.checkpointing, grad_acc)
-    blocks = [(lin.k // (g.gy if lin.transposed else g.gx)) * (lin.n // (g.gx if lin.transposed else g.gy))
-              for lin in spec.block_linears()]
-    v, h = spec.padded_vocab // g.gy, spec.hidden // g.gx
-    shard = sum(shard_elems(b, g.gz) for b in blocks) * spec.n_layers + 2 * shard_elems(v * h, g.gz)
+    shard = parameter_shards(spec, g.gx, g.gy, g.gz).total
     out["step"] = compute.step_work(spec, g.gx, g.gz, g.gdata, cfg.micro_batch, S, grad_acc, shard, fused_optimizer)
     if fake:
         out["step"] = out["step"] + compute.Work(-16, -2)
