@@ -15,7 +15,8 @@ models). Read the other rows as the sensitivity to that assumption.
 FLOP are counted as the paper does (96·B·S·L·H²·(1 + S/(6H) + V/(16·L·H)), full recompute counted;
 reference §4), whatever the planner chose for checkpointing, so the ratio compares like with like.
 
-Run: python benchmarks/paper_scaling.py [--weak]   (--weak adds a weak-scaling series per machine)
+Run: python benchmarks/paper_scaling.py [--weak] [--execution megatron-axonn] [--checkpointing on]
+(--weak adds a weak-scaling series per machine; --execution and --checkpointing as the paper's runs)
 """
 from __future__ import annotations
 
@@ -49,14 +50,14 @@ def paper_pflops(model: str, batch_time_s: float) -> float:
     return flop / batch_time_s / 1e15
 
 
-def headline() -> None:
+def headline(execution: str, checkpointing: str) -> None:
     print(f"{'machine':<11} {'GPUs':>6} {'model':<9} {'grid x,y,z,d':>14} {'mb':>3} {'ckpt':>4} {'s/batch':>8} "
           f"{'pred PF/s':>10} {'published':>9} {'ratio':>6}  note")
     for machine, gpus, published in PUBLISHED:
         rows = []
         for name in MODELS:
             try:
-                df = rank(name, machine, gpus, BATCH, top=1)
+                df = rank(name, machine, gpus, BATCH, top=1, execution=execution, checkpointing=checkpointing)
             except UserError as e:
                 rows.append((name, None, str(e)))
                 continue
@@ -77,9 +78,9 @@ def headline() -> None:
         print()
 
 
-def weak() -> None:
+def weak(execution: str, checkpointing: str) -> None:
     for machine, pairs in WEAK.items():
-        df = weak_scaling(pairs, machine, BATCH)
+        df = weak_scaling(pairs, machine, BATCH, execution=execution, checkpointing=checkpointing)
         print(f"weak scaling on {machine} (batch {BATCH} x 2048 tokens), efficiency vs {df.attrs['baseline_gpus']} GPUs")
         for _, r in df.iterrows():
             if not r["feasible"]:
@@ -94,11 +95,16 @@ def weak() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weak", action="store_true", help="also print a weak-scaling series per machine")
+    ap.add_argument("--execution", default="axoplan",
+                    help="framework execution (axoplan/planner/execution.py); the paper's runs: megatron-axonn")
+    ap.add_argument("--checkpointing", choices=["both", "on", "off"], default="both",
+                    help="'on' as the paper's runs (full activation checkpointing)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    headline()
+    print(f"execution {args.execution}, checkpointing {args.checkpointing}")
+    headline(args.execution, args.checkpointing)
     if args.weak:
-        weak()
+        weak(args.execution, args.checkpointing)
     print(f"(planned in {time.perf_counter() - t0:.1f} s; ratio = predicted / published, nothing fitted to them)")
     return 0
 

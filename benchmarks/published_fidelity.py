@@ -50,6 +50,7 @@ from scipy.stats import kendalltau
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from axoplan.errors import UserError
+from axoplan.planner.execution import AXOPLAN, PRESETS, Execution
 from axoplan.planner.gpu_physics import GpuPhysics
 from axoplan.planner.machine import GB, GIB, load_profile
 from axoplan.planner.rank import explain
@@ -74,6 +75,7 @@ class Run:
     measured_s: float
     group: str  # one model on one machine: the Kendall tau group
     notes: list = field(default_factory=list)
+    execution: Execution = AXOPLAN  # how the source's framework ran the step (axoplan/planner/execution.py)
 
 
 def read_table(name: str) -> list[dict]:
@@ -141,11 +143,15 @@ def torchtitan():
         preset = {"Llama-3.1-8B": "llama3-8b", "Llama-3.1-70B": "llama3-70b"}[r["model"]]
         model = dataclasses.replace(load_model(preset), seq_len=seq)
         ac = r["activation_checkpointing"]
-        notes = ["~sel"] if "selective" in ac else []
+        # torchtitan's selective checkpointing is per op (its default 'op' option): the preset's recompute
+        notes = ["op-selective"] if "selective" in ac else []
+        execution = PRESETS["torchtitan"] if "selective" in ac else dataclasses.replace(PRESETS["torchtitan"],
+                                                                                        recompute="full")
         gb = int(r["global_batch"])
         meas = gb * seq / (float(r["measured"]) * gpus)
         runs.append(Run("torchtitan-h100", src, label, model, gpus, gb, seq, (1, tp, fsdp, 1), "yzx",
-                        int(r["local_batch"]), ac == "full", meas, f"torchtitan-h100:{r['model']}", notes))
+                        int(r["local_batch"]), ac != "none", meas, f"torchtitan-h100:{r['model']}", notes,
+                        execution))
     if not any("H200" in r["machine"] or "H200" in r["table"] for r in read_table(src)
                if "loat8" not in r["technique"]):
         out.append((src, "H200 (Trainy/WhiteFiber) rows", "every H200 row is fp8 + torch.compile: no bf16 H200 run"))
@@ -166,7 +172,8 @@ def megatron_core():
         meas = flop / (float(r["measured"]) * 1e12 * gpus)
         model = _gpt(r["model"].lower(), L, h, r["heads"], V, s)
         runs.append(Run("megatron-core-h100", src, label, model, gpus, B, s, (1, int(r["tp"]), 1, int(r["dp"])), "yzx",
-                        None, False, meas, f"megatron-core-h100:{r['model']}", ["mb unstated"]))
+                        None, False, meas, f"megatron-core-h100:{r['model']}", ["mb unstated"],
+                        PRESETS["megatron-core"]))
     return runs, out
 
 
@@ -183,7 +190,8 @@ def korthikanti():
         runs.append(Run("korthikanti-selene", src, label, model, int(r["gpus"]), int(r["global_batch"]),
                         int(r["seq_len"]), (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]), full,
                         float(r["time_per_iteration"]), f"korthikanti-selene:{r['model']}",
-                        [] if full else ["~sel", "SP"]))
+                        [] if full else ["~sel", "SP"],
+                        dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=not full)))
     return runs, out
 
 
@@ -253,7 +261,8 @@ def machine_profiles() -> dict:
 def predict(run: Run, profile) -> dict:
     try:
         e = explain(run.model, profile, run.gpus, run.global_batch, grid=run.grid, order=run.order,
-                    seq_len=run.seq_len, micro_batch=run.micro_batch, checkpointing=run.checkpointing)
+                    seq_len=run.seq_len, micro_batch=run.micro_batch, checkpointing=run.checkpointing,
+                    execution=run.execution)
     except UserError as err:
         return {"error": str(err)}
     s = e.summary.iloc[0]

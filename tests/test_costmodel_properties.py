@@ -12,7 +12,7 @@ from conftest import profile_dict, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axoplan.planner import schedule as schedule_module
+from axoplan.planner.execution import Execution
 from axoplan.planner.batch import evaluate
 from axoplan.planner.machine import GIB, profile_from_dict
 from axoplan.planner.rank import rank
@@ -114,9 +114,9 @@ def test_no_overlap_never_faster_and_decomposition(table_prof, job, gemm, bw, ov
     rows = _divisible(m, j, c)
     on = evaluate(m, p, j, c, overlap=True)
     off = evaluate(m, p, j, c, overlap=False)
-    with pytest.MonkeyPatch.context() as mp:  # OAR/ORS/OAG; the D buckets' extra calls: tests/test_dp_overlap.py
-        mp.setattr(schedule_module, "OVERLAP_DP", False)
-        _never_slower(evaluate(m, p, j, c, overlap=True).batch_time, off.batch_time, rows)
+    # OAR/ORS/OAG; the D buckets' extra calls: tests/test_dp_overlap.py
+    _never_slower(evaluate(m, p, j, c, overlap=True, execution=Execution(overlap_grad_reduce=False)).batch_time,
+                  off.batch_time, rows)
     for ev in (on, off):
         bt, comp, comm, exp = (a[rows] for a in (ev.batch_time, ev.compute, ev.comm, ev.exposed_comm))
         tiny = 1e-9 * bt

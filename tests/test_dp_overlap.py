@@ -10,10 +10,13 @@ import pytest
 from conftest import tiny_model
 
 from axoplan.planner import batch as B
-from axoplan.planner import schedule, timing
+from axoplan.planner import timing
 from axoplan.planner import comm as C
+from axoplan.planner.execution import Execution
 from axoplan.planner.rank import explain
 from axoplan.planner.space import Candidates
+
+SERIAL_DP = Execution(overlap_grad_reduce=False)  # the D gradients reduced once, after the last backward
 
 
 def queue_tail(t_end, arrivals, services):
@@ -126,8 +129,7 @@ def test_step_against_its_backward_by_hand(pm, monkeypatch, grid, mb):
     monkeypatch.setattr(C, "DP_BUCKET_BYTES", 4)  # every unit its own bucket: the LM head, each block, the embedding
     m = tiny_model(n_layers=4, hidden=256, n_heads=8)
     on = explain(m, pm, 8, 32, grid, micro_batch=mb, checkpointing=False)
-    monkeypatch.setattr(schedule, "OVERLAP_DP", False)
-    off = explain(m, pm, 8, 32, grid, micro_batch=mb, checkpointing=False)
+    off = explain(m, pm, 8, 32, grid, micro_batch=mb, checkpointing=False, execution=SERIAL_DP)
     g_on = on.collectives[on.collectives.layer == "gradients"]
     g_off = off.collectives[off.collectives.layer == "gradients"]
     assert list(g_on.calls_per_step) == [1, 4, 1] and list(g_off.calls_per_step) == [1]
@@ -232,9 +234,7 @@ def test_overlap_costs_at_most_the_extra_calls(machine, cap, monkeypatch):
     for eta in (0.0, 0.5, 1.0):
         p = load_profile(machine).replace(overlap_efficiency=eta)
         on = B.evaluate(m, p, job, c).batch_time
-        monkeypatch.setattr(schedule, "OVERLAP_DP", False)
-        off = B.evaluate(m, p, job, c).batch_time
-        monkeypatch.setattr(schedule, "OVERLAP_DP", True)
+        off = B.evaluate(m, p, job, c, execution=SERIAL_DP).batch_time
         g = C.place(p, c)
         # a call's fixed cost: its time at zero bytes (measured tables: the smallest message's, or more)
         fixed = C._coll(p, g, "gradients", "bwd", "all_reduce", "d", np.zeros(len(c))).seconds

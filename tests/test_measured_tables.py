@@ -225,7 +225,7 @@ def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
 def test_no_overlap_efficiency_means_no_overlap(tmp_path):
     """eta 0: a background collective hides nothing, so the overlapped schedule costs what the serial
     one does; eta 1 is the plain max; anything between lies between."""
-    from axoplan.planner import schedule
+    from axoplan.planner.execution import Execution
     from axoplan.planner.batch import evaluate
     from axoplan.planner.space import enumerate_space
     from axoplan.planner.specs import Job
@@ -235,9 +235,9 @@ def test_no_overlap_efficiency_means_no_overlap(tmp_path):
     job = Job(8, 16, m.seq_len)
     base = load_profile("dgx-h100")
     serial = evaluate(m, base, job, c, overlap=False).batch_time
-    with pytest.MonkeyPatch.context() as mp:  # one D call as in the serial run: the buckets add calls
-        mp.setattr(schedule, "OVERLAP_DP", False)
-        t = {eta: evaluate(m, base.replace(overlap_efficiency=eta), job, c).batch_time for eta in (0.0, 0.5, 1.0)}
+    serial_dp = Execution(overlap_grad_reduce=False)  # one D call as in the serial run: the buckets add calls
+    t = {eta: evaluate(m, base.replace(overlap_efficiency=eta), job, c, execution=serial_dp).batch_time
+         for eta in (0.0, 0.5, 1.0)}
     assert np.allclose(t[0.0], serial, rtol=1e-12)
     assert np.all(t[1.0] <= t[0.5] + 1e-15) and np.all(t[0.5] <= t[0.0] + 1e-15)
     assert np.any(t[1.0] < t[0.0])

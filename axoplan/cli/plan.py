@@ -11,6 +11,7 @@ from rich.table import Table
 
 from axoplan import inputs
 from axoplan.errors import UserError
+from axoplan.planner.execution import PRESETS as EXECUTIONS
 from axoplan.planner.space import ORDERS
 from axoplan.planner.machine import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
@@ -96,6 +97,13 @@ def _common(f):
     return f
 
 
+def execution_option(f):
+    """--execution: how the framework runs the step (axoplan/planner/execution.py); planning commands only, as
+    the bundled trainer (emit, validate, dryrun) runs its own."""
+    return click.option("--execution", "-e", type=inputs.TEXT, default="axoplan", show_default=True,
+                        help=f"Framework execution: {', '.join(EXECUTIONS)}, or a YAML file of its fields.")(f)
+
+
 def _table(cols, title: str) -> Table:
     """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table."""
     t = Table(title=title)
@@ -136,15 +144,16 @@ def _format(df, fmt: str) -> str:
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None, help="Write to this file (atomically).")
+@execution_option
 def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all, order, micro_batch, checkpointing,
-         fmt, output):
+         fmt, output, execution):
     """Rank every 4D configuration (gx, gy, gz, gdata, order, micro-batch, checkpointing)."""
     if top is not None and top <= 0:
         raise UserError(f"--top must be a positive integer, got {top}")
     t0 = time.perf_counter()
     r = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
                  include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,
-                 checkpointing=checkpointing)
+                 checkpointing=checkpointing, execution=execution)
     dt = time.perf_counter() - t0
     if fmt != "table":
         _emit(_format(r.frame(), fmt), output)
@@ -157,6 +166,8 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
                      f"profile's measured table (extrapolated)")
     if no_overlap:
         parts.append("overlap (OAR/ORS/OAG) modelled as off")
+    if execution != "axoplan":
+        parts.append(f"execution: {r.execution.name} ({r.execution.source}); the bundled trainer runs only 'axoplan'")
     _emit(_render(parts), output)
 
 
@@ -188,12 +199,13 @@ def one_config(f):
 
 @click.command("explain")
 @one_config
+@execution_option
 def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
-            output):
+            output, execution):
     """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""
     ck = None if checkpointing == "best" else checkpointing == "on"
     ex = explain_api(model, machine, gpus, global_batch, parse_grid(grid), order=order, seq_len=seq_len,
-                     micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap)
+                     micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap, execution=execution)
     if fmt == "json":
         import json
 

@@ -12,6 +12,8 @@ import pandas as pd
 from axoplan import inputs, plots
 from axoplan.atomic import atomic_write_text, check_writable
 from axoplan.errors import UserError
+from axoplan.cli.plan import execution_option
+from axoplan.planner.execution import load_execution
 from axoplan.planner.space import ORDERS
 from axoplan.studies.scale import (
     COLUMNS,
@@ -137,8 +139,9 @@ def _progress(i, n, row):
 @click.option("--output", type=inputs.SafePath(dir_okay=False), default=None,
               help="Write the result here (atomically).")
 @click.option("--plot", type=inputs.SafePath(dir_okay=False), default=None, help="Write a PNG plot here.")
+@execution_option
 def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_spec, order, micro_batch, no_overlap,
-          fmt, output, plot):
+          fmt, output, plot, execution):
     if global_batch <= 0:
         raise UserError(f"--global-batch must be a positive integer (sequences), got {global_batch}")
     if seq_len is not None and seq_len <= 0:
@@ -151,7 +154,8 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
         if path is not None:
             check_writable(path, what)  # before the planning, so a bad path loses nothing
     tokens = parse_tokens(tokens_spec) if tokens_spec is not None else None
-    kw = {"order": order, "micro_batch": micro_batch, "overlap": not no_overlap}
+    kw = {"order": order, "micro_batch": micro_batch, "overlap": not no_overlap,
+          "execution": load_execution(execution)}
     if weak_spec is not None:
         if model is not None or gpus_spec is not None:
             raise UserError("--weak takes MODEL:GPUS pairs; leave out --model and --gpus")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from axoplan.planner import comm, schedule, timing
+from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.memory import Memory, memory
 from axoplan.planner.rows import distinct_rows
@@ -31,7 +32,7 @@ class Evaluation:
 
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
-             blas_tuning: bool | None = None, explain: bool = False) -> Evaluation:
+             blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN) -> Evaluation:
     """Batch time, compute, communication, memory and feasibility of every candidate, as arrays."""
     h = len(c) // 2
     paired = (not explain and h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any()
@@ -39,10 +40,10 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
               and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
     with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
         if not paired:
-            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain)
+            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution)
         # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
         ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
-                       False)
+                       False, execution)
 
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
@@ -54,14 +55,14 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
 
 
 def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-              blas_tuning: bool | None, explain: bool) -> Evaluation:
+              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN) -> Evaluation:
     """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
     S = job.seq_len
     e = profile.dtype_bytes
     gx, gy, gz, mb = c.gx, c.gy, c.gz, c.micro_batch
     T = (mb * S).astype(np.float64)
-    sched = schedule.build(model, profile, job, c, ck, overlap, tuning, comm.place(profile, c))
+    sched = schedule.build(model, profile, job, c, ck, overlap, tuning, comm.place(profile, c), execution)
     timed_step = timing.step_time(profile, sched, overlap, explain)
     batch = timed_step.batch
     compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
@@ -70,7 +71,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     shard, replicated = sched.params.total, sched.replicated_elems
 
     # ---- memory ------------------------------------------------------------------------------------
-    # memory depends on (gx, gy, gz, micro-batch, checkpointing) only: evaluated once per distinct row
+    # memory depends on (gx, gy, gz, micro-batch, checkpointing) only (gdata follows from the first three):
+    # evaluated once per distinct row
     ck_rows = np.broadcast_to(ck, np.shape(gx)) if np.ndim(ck) <= 1 else np.zeros(np.shape(gx), dtype=bool)
     first, inverse = distinct_rows(gx, gy, gz, mb, ck_rows)
 
@@ -82,7 +84,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                  pick(sched.params.lm_head), pick(sched.params.embedding), e, prefetch=overlap,
                  max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
                  passes=(sched.forward, sched.backward),
-                 fused=profile.elementwise_kernels == "fused", breakdown=explain)
+                 fused=profile.elementwise_kernels == "fused", gdata=pick(c.gdata), execution=execution,
+                 breakdown=explain)
     mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom
 

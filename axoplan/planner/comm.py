@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.space import Candidates, strides
 from axoplan.planner.specs import LinearShape, ModelSpec
@@ -233,13 +234,19 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
 
 
-def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int) -> dict[str, Collective]:
+def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,
+                       sequence_parallel: bool = False) -> dict[str, Collective]:
     """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
-    all-gather of the weight block and reduce-scatter of its gradient over Z."""
+    all-gather of the weight block and reduce-scatter of its gradient over Z. With sequence parallelism a
+    normal layer's backward gathers its token-split input over Y again (ag_input; the all-reduces become a
+    reduce-scatter and an all-gather of the same ring volume)."""
     ax_in, ax_out = lin.axes
     k, n = lin.local(g.size["x"], g.size["y"])
     block = padded_block(k * n, g.size["z"]) * dtype_bytes
-    return {
+    extra = {}
+    if sequence_parallel and not lin.transposed:
+        extra["ag_input"] = _coll(profile, g, lin.name, "bwd", "all_gather", ax_out, tokens * k * dtype_bytes)
+    return {**extra,
         "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * n * dtype_bytes),
         "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * k * dtype_bytes),
         "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
@@ -339,18 +346,26 @@ def gradient_buckets(block_shards, lm_shard, emb_shard, n_layers: int, cap_bytes
     return BucketPlan(k0, k, middle, single, rows)
 
 
-def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements, buckets=None) -> list[Collective]:
+def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_elements, buckets=None,
+                               execution: Execution = AXOPLAN, dtype_bytes: int = 2) -> list[Collective]:
     """Once per step, as the trainer does it: the fp32 gradient shards all-reduced over D (one buffer; or
     with `buckets` (gradient_buckets(...).rows) one call per bucket, launched inside the last backward:
     the first len(buckets) rows, phase 'bwd', calls per candidate); replicated parameters (norm weights,
     positions) over Z and D together; the kept-token count and the loss over Z and D; the squared gradient
-    norm over every GPU; the barrier that closes each timed step."""
+    norm over every GPU; the barrier that closes each timed step. An execution that shards the optimizer
+    over D reduce-scatters the gradients instead and all-gathers the updated weights after the optimizer
+    (phase 'next forward' where it overlaps the next step's first forward)."""
+    kind = "reduce_scatter" if execution.optimizer_sharding == "data-parallel" else "all_reduce"
     if buckets is None:
-        grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", "all_reduce", "d", shard_elements * FP32),
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", kind, "d", shard_elements * FP32),
                                      after="backward_first")]
     else:
-        grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", "all_reduce", "d", elems * FP32),
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", kind, "d", elems * FP32),
                                      calls=calls, after="backward") for _, elems, calls in buckets]
+    if kind == "reduce_scatter":
+        phase = "next forward" if execution.overlap_param_gather else "step"
+        grads.append(dataclasses.replace(_coll(profile, g, "weights", phase, "all_gather", "d",
+                                               shard_elements * dtype_bytes), after="optimizer"))
     return grads + [
         dataclasses.replace(_coll(profile, g, "replicated", "step", "all_reduce", "zd", replicated_elements * FP32),
                             after="backward_first"),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.specs import LinearShape, ModelSpec
 from axoplan.planner.rows import distinct_rows
@@ -172,25 +173,29 @@ class ElementwiseWork:
 
 
 def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc=1,
-                     prefetch: bool = True, fused: bool = False) -> ElementwiseWork:
+                     prefetch: bool = True, fused: bool = False, execution: Execution = AXOPLAN) -> ElementwiseWork:
     """Bytes and launches of the trainer's element-wise kernels for a compute dtype of dtype_bytes
-    (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is."""
+    (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is. The
+    execution's sequence parallelism splits the norms and residual adds over Y; its low-precision weight
+    copy removes the casts where weights are used (one cast per step instead: step_work)."""
     cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
     if cols[0].ndim == 1 and cols[0].size > 256:
         # orders and checkpointing repeat each (grid, micro-batch) many times: evaluate each once
         first, inverse = distinct_rows(*cols)
         if len(first) < cols[0].size // 2:
             w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
-                                  fused)
+                                  fused, execution)
             return w.take(inverse)
-    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, fused)
+    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, fused, execution)
 
 
 def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc,
-                      prefetch: bool, fused: bool = False) -> ElementwiseWork:
+                      prefetch: bool, fused: bool = False, execution: Execution = AXOPLAN) -> ElementwiseWork:
     e, S = dtype_bytes, seq_len
     half = e != 4
+    cast = half and execution.weights == "fp32-cast"  # weights cast to the compute dtype where they are used
     T = np.asarray(micro_batch) * S * 1.0
+    Ts = T / execution.sequence_split(gy)  # tokens of a norm or residual add on this rank
     hx = model.hidden / np.asarray(gx)
     hd, r = model.head_dim, model.head_dim / 2
     hq, hkv = model.n_heads / np.asarray(gy), model.kv_heads / np.asarray(gy)
@@ -202,7 +207,7 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
         return -(-(k * n) // gz), k * n
 
     lins = model.block_linears()
-    casts = [Work((4 + e) * shard(lin)[0], 1) * half for lin in lins]
+    casts = [Work((4 + e) * shard(lin)[0], 1) * cast for lin in lins]
     acc = sum(_accumulate(*shard(lin), gz, e, e) for lin in lins)
 
     rope = model.position == "rope"
@@ -216,9 +221,9 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
                   + Work(2 * e * T * (hq + hkv) * hd, 2))
     act_f = Work(5 * e * T * f, 2) if model.mlp == "swiglu" else Work(2 * e * T * f, 1)
     act_b = Work(13 * e * T * f, 4) if model.mlp == "swiglu" else Work(3 * e * T * f, 1)
-    residual = Work(3 * e * T * hx, 1)
-    block_fwd = _norm_fwd(model.norm, T, hx, e) * 2 + attn_f + act_f + residual * 2
-    block_bwd = (_norm_bwd(model.norm, T, hx, e) * 2 + attn_b + act_b + residual * 2 + acc
+    residual = Work(3 * e * Ts * hx, 1)
+    block_fwd = _norm_fwd(model.norm, Ts, hx, e) * 2 + attn_f + act_f + residual * 2
+    block_bwd = (_norm_bwd(model.norm, Ts, hx, e) * 2 + attn_b + act_b + residual * 2 + acc
                  + Work(12 * hx, 1) * (2 * later))
 
     # outside the blocks
@@ -230,22 +235,22 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     learned = model.position == "learned"
     rows = model.seq_len  # positions held: the model's whole context
     # ids - lo, two bounds, and, where (int64 per token), the row lookup, its mask cast and product
-    emb_fwd = (Work((4 + e) * s_emb, 1) * half + Work((79 + 2 * e) * T + 4 * e * T * hx, 9)
-               + (Work((4 + e) * S * hx, 1) * half + Work(2 * e * T * hx + e * S * hx, 1)) * learned)
+    emb_fwd = (Work((4 + e) * s_emb, 1) * cast + Work((79 + 2 * e) * T + 4 * e * T * hx, 9)
+               + (Work((4 + e) * S * hx, 1) * cast + Work(2 * e * T * hx + e * S * hx, 1)) * learned)
     # the fp32 copy, mask, max, sub_, exp_, sum over [T, V/gy]; the target's logit; log-sum-exp; then the kept
     # sum and the step's scaling of it (part / n_kept, the seed gradient)
     loss_f = Work((36 + e) * T * V + 18 * V + 171 * T, 21) + Work(16 * T + 4, 2) + Work(28, 3)
     # tokens[:, :-1] and tokens[:, 1:] of several sequences are not flat views: reshape(-1) copies them
     rows_copy = Work(32 * T, 2) * (np.asarray(micro_batch) > 1)
-    lm_cast = Work((4 + e) * s_lm, 1) * half
+    lm_cast = Work((4 + e) * s_lm, 1) * cast
     # a prefetched gather over Z casts its shard when launched, one weight early; without Z the block casts at use
     early = prefetch * (np.asarray(gz) > 1)
-    head_fwd = _norm_fwd(model.norm, T, hx, e) + lm_cast * (1 + early) + loss_f + rows_copy
+    head_fwd = _norm_fwd(model.norm, Ts, hx, e) + lm_cast * (1 + early) + loss_f + rows_copy
     # the softmax recomputed from a second fp32 copy (copy, mask, sub_, exp_, div_), the target's -1, mul_
     loss_b = (Work(8 * T + 16, 2) + Work((44 + e) * T * V + 18 * V + 45 * T, 11)
               + Work((4 + e) * T * V, 1) * half)
     head_bwd = (loss_b + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, e, e)
-                + _norm_bwd(model.norm, T, hx, e) + Work(12 * hx, 1) * later)
+                + _norm_bwd(model.norm, Ts, hx, e) + Work(12 * hx, 1) * later)
     # a zero fp32 [V/gy, H/gx] gradient, the masked dout, index_add_; the step's loss sum (2 kernels) lands here too
     emb_bwd = (Work(4 * V * hx + 8 * T + 20 * T * hx + T, 3) + Work((e + 4) * T * hx, 1) * half
                + _accumulate(s_emb, nb_emb, gz, e, 4) + Work(36, 2)
@@ -253,28 +258,28 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
                   + Work((e + 4) * S * hx, 1) * half + Work(12 * rows * hx, 1) * later) * learned)
     shift = casts[0] * early
     if fused:
-        return _fused(model, T, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
-                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift)
+        return _fused(model, T, Ts, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
+                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift, cast)
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 
 
-def _fused(model: ModelSpec, T, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm_cast, early, learned, later,
-           acc_lm, acc_emb, s_emb, shift) -> ElementwiseWork:
+def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm_cast, early, learned, later,
+           acc_lm, acc_emb, s_emb, shift, cast) -> ElementwiseWork:
     """A framework that fuses each norm, activation, rotary embedding and the loss into one kernel (its
     forward reads the inputs and writes the output once; its backward reads the inputs and the output's
     gradient and writes the input's): the same gathers, casts and gradient accumulation as the trainer."""
-    norm_f, norm_b = Work(2 * e * T * hx, 1), Work(3 * e * T * hx, 1)
+    norm_f, norm_b = Work(2 * e * Ts * hx, 1), Work(3 * e * Ts * hx, 1)
     rope = model.position == "rope"
     qk = (hq + hkv) * hd
     rope_f, rope_b = Work(2 * e * T * qk, 2) * rope, Work(2 * e * T * qk, 2) * rope
     swiglu = model.mlp == "swiglu"
     act_f = Work((3 if swiglu else 2) * e * T * f, 1)
     act_b = Work((5 if swiglu else 3) * e * T * f, 1)
-    residual = Work(3 * e * T * hx, 1)
+    residual = Work(3 * e * Ts * hx, 1)
     block_fwd = norm_f * 2 + rope_f + act_f + residual * 2
     block_bwd = norm_b * 2 + rope_b + act_b + residual * 2 + acc + Work(12 * hx, 1) * (2 * later)
     # the embedding: the row lookup (and the learned positions' add); its gradient scattered in fp32
-    emb_fwd = Work((4 + e) * s_emb, 1) * (e != 4) + Work(2 * e * T * hx, 1) + residual * learned
+    emb_fwd = Work((4 + e) * s_emb, 1) * cast + Work(2 * e * T * hx, 1) + residual * learned
     emb_bwd = Work((e + 4) * T * hx, 1) + acc_emb + Work(4 * S * hx + e * T * hx, 1) * learned
     # a fused cross-entropy reads the logits once forward and once backward, writing their gradient
     head_fwd = norm_f + lm_cast * (1 + early) + Work(e * T * V, 1)
@@ -287,7 +292,8 @@ def fused_optimizer(profile: MachineProfile) -> bool:
     return profile.kind == "gpu"
 
 
-def step_work(model: ModelSpec, gx, gz, gdata, micro_batch, seq_len: int, grad_acc, shard, fused: bool) -> Work:
+def step_work(model: ModelSpec, gx, gz, gdata, micro_batch, seq_len: int, grad_acc, shard, fused: bool,
+              execution: Execution = AXOPLAN, dtype_bytes: int = 2) -> Work:
     """Once per step on rank 0 (train.py train_step): the keep mask and token count, zeroing the
     gradient buffer (shard: its fp32 elements), the replicated gradients over Z and D, the global
     norm and clipping, AdamW (fused per parameter group, or per tensor: 9 kernels, and 1 more with
@@ -305,10 +311,14 @@ def step_work(model: ModelSpec, gx, gz, gdata, micro_batch, seq_len: int, grad_a
     # the norm: per tensor vector_norm, double, pow, add_ (rank 0 holds every part); the clip coefficient; mul_
     w = w + Work(8 + 4 * shard + 4 + 52 + 4 * R + 56 * n_rep, 1 + 4 * (1 + n_rep)) + Work(92, 6)
     w = w + Work(8 * shard + 4 + 8 * R + 4 * n_rep, 1 + n_rep)
+    # the execution's optimizer sharding updates only this D rank's part of the shard
+    own = shard / np.asarray(gdata) if execution.optimizer_sharding == "data-parallel" else shard
     if fused:  # per group: the steps' foreach add_, one kernel reading p, g, m, v and writing p, m, v
-        w = w + Work(28 * (shard + R) + 12 * (n_dec + n_rep), 4)
+        w = w + Work(28 * (own + R) + 12 * (n_dec + n_rep), 4)
     else:  # per tensor: step, lerp_, mul_, addcmul_, .item(), sqrt, div, add_, addcdiv_ (+ mul_ with decay)
-        w = w + Work(72 * (shard + R) + 12 * (n_dec + n_rep) + 8 * shard, 9 * (n_dec + n_rep) + n_dec)
+        w = w + Work(72 * (own + R) + 12 * (n_dec + n_rep) + 8 * own, 9 * (n_dec + n_rep) + n_dec)
+    if execution.weights == "low-precision-copy":  # the updated fp32 masters cast once into the weights
+        w = w + Work((4 + dtype_bytes) * own, 1)
     # the loss over the kept tokens, then the loss and the gradient norm read on the host for the metrics
     return w + Work(24, 1) + Work(16, 2)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from axoplan.planner.execution import AXOPLAN, Execution, op_selective
 from axoplan.planner.specs import ModelSpec
 from axoplan.planner.comm import FP32, padded_block, shard_elems
 
@@ -59,12 +60,6 @@ class Memory:
         return Memory(f(self.total), f(self.moment), self.moments, **kinds)
 
 
-def state_bytes_per_element() -> int:
-    """fp32 master shard, fp32 gradient and AdamW's two fp32 moments (4+4+8); the half-precision
-    compute copy exists only while a block is gathered (FSDP2-style mixed precision, as the trainer)."""
-    return 16
-
-
 @dataclass
 class _Layer:
     """One linear (or the embedding) per candidate: bytes of its gathered block, of the gradient
@@ -75,13 +70,14 @@ class _Layer:
     inflight: np.ndarray
 
 
-def _layer(numel, gz, e: int, grad_bytes: int | None = None) -> _Layer:
+def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False) -> _Layer:
     numel = np.asarray(numel, dtype=np.float64)
     shard = shard_elems(numel, gz)
     padded = padded_block(numel, gz)
     sharded = gz > 1
-    # gz == 1: the "gathered" block is the fp32 shard itself, copied only when computing in half precision
-    gathered = np.where(sharded, padded * e, numel * e if e != FP32 else 0.0)
+    # gz == 1: the "gathered" block is the fp32 shard itself, cast only when computing in half precision and
+    # no compute-dtype copy is kept (copy: the execution's low-precision weights, counted in the states)
+    gathered = np.where(sharded, padded * e, numel * e if e != FP32 and not copy else 0.0)
     gb = e if grad_bytes is None else grad_bytes
     # sharded: the block, its padded (or cast) copy for the reduce-scatter, and the reduced shard, allocated
     # before the call is issued; gz == 1: accumulated into the fp32 gradient at once (a cast copy in half precision)
@@ -113,14 +109,16 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 passes: tuple, fused: bool = False) -> dict:
+                 passes: tuple, fused: bool = False, gdata=1, execution: Execution = AXOPLAN) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
     position parameters (the same states, unsharded). passes: the schedule's (schedule.py) forward and
     backward (without recompute) Pass, whose windows name the moments walked, in order. fused: the framework's fused kernels (the profile's
     compute.elementwise_kernels), whose loss keeps no fp32 copy of the logits and whose norm backward
-    writes the input gradient with no fp32 temporaries."""
+    writes the input gradient with no fp32 temporaries. execution: the framework's state bytes per element
+    (execution.state_bytes, over gdata D ranks) and sequence parallelism, which splits the block input, the
+    norms' inputs and the residual stream's tensors over Y by tokens."""
     e = dtype_bytes
     T = np.asarray(tokens, dtype=np.float64)
     L = model.n_layers
@@ -133,27 +131,35 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     ffn = model.ffn / gy
     vl = model.padded_vocab / gy
     ck = np.asarray(checkpointing)
+    Ts = T / execution.sequence_split(gy)  # tokens of the residual stream's tensors on this rank
 
     states = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
-        * state_bytes_per_element()
-    qkv, out, fc1, fc2 = (_layer(b, gz, e) for b in block_elems)
-    lm = _layer(lm_elems, gz, e)
-    emb = _layer(emb_elems, gz, e, grad_bytes=FP32)  # the embedding's gradient is built in fp32
+        * execution.state_bytes(gdata)
+    copy = execution.weights == "low-precision-copy"
+    qkv, out, fc1, fc2 = (_layer(b, gz, e, copy=copy) for b in block_elems)
+    lm = _layer(lm_elems, gz, e, copy=copy)
+    emb = _layer(emb_elems, gz, e, grad_bytes=FP32, copy=copy)  # the embedding's gradient is built in fp32
     pre = 1.0 if prefetch else 0.0
 
     # ---- saved activations of one block (autograd's), per token, beyond the block input --------
     stats = 2 * 2 * FP32  # mean and rstd of both norms
     rope = (qh + kvh) * e if model.position == "rope" else 0.0  # rotated copies of q and k
     act_out = (2 * ffn if model.mlp == "swiglu" else ffn) * e  # the activation's output(s) fc2 reads
+    sp = Ts / T  # the token share of what sequence parallelism splits
     saved = {  # freed in this order by the backward: fc2's input, fc1's output, fc1's input, ...
-        "act": act_out, "fc1": f1 * e, "h2": hx * e + stats / 2, "x1": hx * e,
-        "sdpa": (qh + 2 * kvh) * e + rope + qh * e + heads * FP32, "h1": hx * e + stats / 2,
+        "act": act_out, "fc1": f1 * e, "h2": (hx * e + stats / 2) * sp, "x1": hx * e * sp,
+        "sdpa": (qh + 2 * kvh) * e + rope + qh * e + heads * FP32, "h1": (hx * e + stats / 2) * sp,
     }
     block_saved = T * sum(saved.values())
-    x_in = T * hx * e  # one block's input (kept per block under checkpointing)
+    x_in = Ts * hx * e  # one block's input (kept per block under checkpointing)
+    # under op-selective recompute each checkpointed block keeps its policy's matmul outputs and attention's
+    selected = 0.0
+    if execution.recompute == "op-selective":
+        sel = op_selective(model)
+        selected = T * ((sel.kept_split / gy + qh) * e + heads * FP32) + Ts * sel.kept_full * e
     # all blocks but the last, as the backward finds them when it reaches the last block
-    earlier = np.where(ck, (L - 1) * x_in, (L - 1) * (x_in + block_saved))
-    final = T * (2 * hx * e + FP32 * 2)  # the final norm's input and output (the LM head's input)
+    earlier = np.where(ck, (L - 1) * (x_in + selected), (L - 1) * (x_in + block_saved))
+    final = Ts * (2 * hx * e + FP32 * 2)  # the final norm's input and output (the LM head's input)
 
     def inflight(layers):
         """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
@@ -172,8 +178,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     layers["lm_head"] = lm
     layers["embedding"] = _Layer(0.0, emb.dw, emb.inflight)  # its backward needs no weight
     kept = [layers[w.name].gathered for w in forward.block]  # in the order the recompute gathers them
-    dres = T * hx * e  # the residual stream's gradient, live through the blocks
-    norm_bwd = T * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
+    dres = Ts * hx * e  # the residual stream's gradient, live through the blocks
+    norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
     qkv_l = qh + 2 * kvh
     transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
                   "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * qkv_l * e * 2,
@@ -215,12 +221,12 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the loss, the LM head's and the final norm's backward: the stack of activations until the LM head's
     # input is freed; the next gather is the last block's first: the recompute's (qkv) or the backward's (fc2)
     first = np.where(ck, kept[0], layers[backward.block[0].name].gathered)
-    walk(forward.suffix + backward.prefix, "", lambda live: stack - T * hx * e + sum(live.values()), first,
-         {"head input": T * hx * e}, False)
+    walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
+         {"head input": Ts * hx * e}, False)
 
     # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
     recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
-    one_block = np.where(ck, x_in, x_in + block_saved)
+    one_block = np.where(ck, x_in + selected, x_in + block_saved)
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
         walk(backward.block, f"backward {label} ",
              lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,

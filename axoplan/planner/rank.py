@@ -9,6 +9,7 @@ import numpy as np
 
 from axoplan import inputs
 from axoplan.planner.batch import Evaluation, evaluate
+from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.errors import UserError
@@ -71,6 +72,7 @@ class Ranking:
     candidates: int  # in the space
     feasible: int  # in the space
     extrapolated_gemms: int  # listed feasible rows with GEMM shapes outside the profile's table
+    execution: Execution = AXOPLAN  # how the framework runs the step
 
     def __len__(self) -> int:
         return len(self.columns["rank"])
@@ -114,28 +116,32 @@ def _setup(model, machine, gpus, global_batch, seq_len, micro_batch=None):
 def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
          seq_len: int | None = None, top: int | None = None, include_infeasible: bool = False, order: str = "all",
          micro_batch: int | None = None, overlap: bool = True, checkpointing: str = "both",
-         blas_tuning: bool | None = None, max_micro_batch: int = 64) -> pd.DataFrame:
+         blas_tuning: bool | None = None, max_micro_batch: int = 64, execution: str | Execution | None = None
+         ) -> pd.DataFrame:
     """Every candidate configuration, fastest feasible first (columns: COLUMNS).
 
     top: keep only the best `top` feasible rows. include_infeasible: append every infeasible
-    candidate with its reason. Raises UserError when nothing is feasible and infeasible rows were
-    not asked for.
+    candidate with its reason. execution: how the framework runs the step (execution.py; the bundled
+    trainer by default). Raises UserError when nothing is feasible and infeasible rows were not asked for.
     """
     return ranking(model, machine, gpus, global_batch, seq_len=seq_len, top=top,
                    include_infeasible=include_infeasible, order=order, micro_batch=micro_batch, overlap=overlap,
-                   checkpointing=checkpointing, blas_tuning=blas_tuning, max_micro_batch=max_micro_batch).frame()
+                   checkpointing=checkpointing, blas_tuning=blas_tuning, max_micro_batch=max_micro_batch,
+                   execution=execution).frame()
 
 
 def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
             seq_len: int | None = None, top: int | None = None, include_infeasible: bool = False, order: str = "all",
             micro_batch: int | None = None, overlap: bool = True, checkpointing: str = "both",
-            blas_tuning: bool | None = None, max_micro_batch: int = 64) -> Ranking:
+            blas_tuning: bool | None = None, max_micro_batch: int = 64,
+            execution: str | Execution | None = None) -> Ranking:
     """rank() before the DataFrame: the same rows as numpy columns (see rank for the arguments)."""
     if top is not None and top <= 0:
         raise UserError(f"top must be a positive integer, got {top}")
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
+    ex = load_execution(execution)
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch)
-    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning)
+    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
     feas = np.nonzero(ev.feasible)[0]
     if len(feas) == 0 and not include_infeasible:
         raise _nothing_feasible(ev, c, m, p, job)
@@ -150,7 +156,7 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         inf = np.nonzero(~ev.feasible)[0]
         idx = np.concatenate([feas, inf[np.argsort(ev.batch_time[inf], kind="stable")]])
     return Ranking(_columns(ev, c, idx, p), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
-                   extrapolated_gemms=int(ev.extrapolated[feas].sum()))
+                   extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex)
 
 
 @dataclass
@@ -165,20 +171,21 @@ class Explanation:
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
             grid: tuple[int, int, int, int], order: str = "xyz", seq_len: int | None = None,
             micro_batch: int | None = None, checkpointing: bool | None = None, overlap: bool = True,
-            blas_tuning: bool | None = None) -> Explanation:
+            blas_tuning: bool | None = None, execution: str | Execution | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
     fastest feasible choice for this grid and order."""
     import pandas as pd
 
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
+    ex = load_execution(execution)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid))
-    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning)
+    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
     cand = np.nonzero(ev.feasible)[0]
     pool = cand if len(cand) else np.arange(len(c))
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
-    ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True)
+    ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True, execution=ex)
     summary = _frame(_columns(ev1, one, np.array([0]), p))
     d = ev1.detail
     sched, st = d["schedule"], d["time"]
@@ -213,8 +220,9 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     memory.attrs["peak_at"] = where
     notes = [f"memory peaks at: {where}",
              f"grad_acc={ga} micro-batches of {int(one.micro_batch[0])} sequences per GPU per step",
-             (f"data-parallel gradient all-reduce and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
-              f"s per step; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s"),
+             (f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
+              f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s"),
+             f"execution: {ex.name} ({ex.source})",
              "GEMM layouts: " + ("best of all layouts and forms (BLAS tuning)" if (p.blas_tuning if blas_tuning is None
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]
     if bool(ev1.extrapolated[0]):

@@ -22,13 +22,12 @@ from axoplan.runconfig import Overlap
 from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.comm import Collective
+from axoplan.planner.execution import AXOPLAN, Execution, op_selective
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import Job, ModelSpec
 
-# the trainer's defaults (one definition: the LaunchConfig's): the D all-reduce per bucket inside the last
-# backward, and at most this many reduce-scatters in flight
-OVERLAP_DP = Overlap().data_parallel
+# the trainer's default (one definition: the LaunchConfig's): at most this many reduce-scatters in flight
 MAX_INFLIGHT_RS = Overlap().max_inflight_reduce_scatters
 
 
@@ -84,7 +83,9 @@ class Window:
     name: str
     compute: dict  # op name (gemm fwd, attention, element-wise, weight cast, ...) -> Op
     blocking: list = field(default_factory=list)  # collectives the compute stream waits for
-    beside_wgrad: list = field(default_factory=list)  # OAR: run beside this window's dW GEMM ("gemm wgrad")
+    # collectives run beside one of the window's ops, by op name: the dI all-reduce beside "gemm wgrad" (OAR);
+    # with the execution's TP overlap the forward's all-reduce beside "gemm fwd"; SP's input gather beside dI
+    beside: dict = field(default_factory=dict)
     gather: list = field(default_factory=list)  # Z stream: the weight all-gather needed before the window
     scatter: list = field(default_factory=list)  # Z stream: the gradient reduce-scatter it issues
     moments: tuple = ()  # where memory can peak inside it (Moment), in order (the memory walk's windows)
@@ -96,7 +97,7 @@ class Window:
         return self._compute
 
     def collectives(self) -> list[Collective]:
-        return self.blocking + self.beside_wgrad + self.gather + self.scatter
+        return self.blocking + [c for cs in self.beside.values() for c in cs] + self.gather + self.scatter
 
 
 @dataclass
@@ -172,17 +173,22 @@ class Schedule:
         return [v for v in rows.values() if int(np.ravel(self.groups.size[v[0].axis])[i]) > 1]
 
 
-def _backward(name, comp, blocking, ar_bwd, gather, rs, overlap: bool) -> Window:
-    """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap."""
+def _backward(name, comp, blocking, ar_bwd, gather, rs, overlap: bool, ag_input=None) -> Window:
+    """A layer's backward window: its dI all-reduce beside the dW GEMM (OAR), or blocking without overlap;
+    a sequence-parallel input gather beside the dI GEMM."""
     moments = HEAD_BACKWARD_MOMENTS if name == "lm_head" else BLOCK_MOMENTS[name]
     if overlap:
-        return Window(name, comp, blocking, [ar_bwd], gather, [rs], moments=moments)
-    return Window(name, comp, [ar_bwd] + blocking, [], gather, [rs], moments=moments)
+        beside = {"gemm wgrad": [ar_bwd], **({"gemm dgrad": [ag_input]} if ag_input is not None else {})}
+        return Window(name, comp, blocking, beside, gather, [rs], moments=moments)
+    return Window(name, comp, [ar_bwd] + ([ag_input] if ag_input is not None else []) + blocking, {}, gather, [rs],
+                  moments=moments)
 
 
 def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-          tuning: bool, groups: comm.Groups) -> Schedule:
-    """The step of every candidate as the trainer runs it (ck: checkpointing, broadcasting against them)."""
+          tuning: bool, groups: comm.Groups, execution: Execution = AXOPLAN) -> Schedule:
+    """The step of every candidate as the trainer runs it (ck: checkpointing, broadcasting against them), or
+    as the execution's framework runs it."""
+    ex = execution
     S = job.seq_len
     e = profile.dtype_bytes
     gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
@@ -197,7 +203,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
     elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
-                                        fused=profile.elementwise_kernels == "fused")
+                                        fused=profile.elementwise_kernels == "fused", execution=ex)
     extrapolated = np.zeros(len(c), dtype=bool)
     for layer_gemms in gemms + [head_gemms]:
         extrapolated |= layer_gemms.extrapolated
@@ -214,7 +220,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # ---- collectives ---------------------------------------------------------------------------------
     g = groups
-    colls = [comm.linear_collectives(profile, g, lin, T, e) for lin in lins]
+    colls = [comm.linear_collectives(profile, g, lin, T, e, ex.sequence_parallel) for lin in lins]
     head_colls = comm.linear_collectives(profile, g, lm, T, e)
     emb_colls = comm.embedding_collectives(profile, g, model, T, e)
     norm_f, norm_b = comm.norm_collectives(profile, g, model, T, "norm")
@@ -228,8 +234,11 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     def fwd_window(i, suffix=""):
         comp = {"gemm fwd": gemm(gemms[i], "fwd"), **attention_f[i], "weight cast": casts[i]}
-        return Window(lins[i].name + suffix, comp, [colls[i]["ar_fwd"]] + ([norm_f] if norms[i] else []),
-                      gather=[colls[i]["ag"]])
+        norm = [norm_f] if norms[i] else []
+        if ex.tp_comm_overlap and overlap:  # the all-reduce pipelined with the GEMM that makes its input
+            return Window(lins[i].name + suffix, comp, norm, {"gemm fwd": [colls[i]["ar_fwd"]]},
+                          gather=[colls[i]["ag"]])
+        return Window(lins[i].name + suffix, comp, [colls[i]["ar_fwd"]] + norm, gather=[colls[i]["ag"]])
 
     fwd_block = [fwd_window(i) for i in range(4)]
     emb_f = Window("embedding", {"element-wise": elem(elementwise.emb_fwd)}, [emb_colls["ar_fwd"]],
@@ -245,15 +254,28 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         if with_gather:
             comp["weight cast"] = casts[i]
         return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"],
-                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap)
+                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap, colls[i].get("ag_input"))
 
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
                      [norm_b], head_colls["ar_bwd"], [head_colls["ag"]], head_colls["rs"], overlap)
     emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
                    moments=EMBEDDING_MOMENTS)
+    def selective_window(i, share):
+        """op-selective recompute: the window's element-wise forward and the matmul share the policy drops;
+        the attention output and the TP collectives' outputs are kept; the weight is gathered as for full
+        recompute (the backward needs it)."""
+        g_op = gemm(gemms[i], "fwd")
+        comp = {"gemm fwd": Op("gemm", g_op.seconds * share, g_op.shape, g_op.layout),
+                "element-wise": attention_f[i].get("element-wise", Op("element-wise", 0.0, kernels=0.0)),
+                "weight cast": casts[i]}
+        return Window(lins[i].name + " (recompute)", comp, [norm_f] if norms[i] else [], gather=[colls[i]["ag"]])
+
     plain = [bwd_window(i, True) for i in reversed(range(4))]
-    recompute = [fwd_window(i, " (recompute)") for i in range(4)]
+    if ex.recompute == "op-selective":
+        recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
+    else:
+        recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
@@ -261,13 +283,13 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     shard = params.total
     replicated = (2 * L + 1) * model.hidden / gx + (S * model.hidden / gx if model.position == "learned" else 0)
     optimizer_s = work.optimizer_seconds(profile, work.step_work(model, gx, gz, gd, mb, S, grad_acc, shard,
-                                                           work.fused_optimizer(profile)))
+                                                           work.fused_optimizer(profile), ex, e))
     plan = None
-    if overlap and OVERLAP_DP:  # the trainer's buckets, one definition: comm.gradient_buckets
+    if overlap and ex.overlap_grad_reduce:  # the trainer's buckets, one definition: comm.gradient_buckets
         plan = comm.gradient_buckets(sum(comm.shard_elems(b, gz) for b in params.blocks),
                                      comm.shard_elems(params.lm_head, gz), comm.shard_elems(params.embedding, gz), L)
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
-                                          plan.rows if plan else None)
+                                          plan.rows if plan else None, ex, e)
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params)

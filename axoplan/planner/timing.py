@@ -111,12 +111,13 @@ def strategy(profile: MachineProfile) -> GpuStreams:
 
 
 def timed(w: Window, side_by_side, overlap: bool) -> Timed:
-    """A window's seconds: the dI all-reduce beside the dW GEMM exposes only what the GEMM does not cover."""
+    """A window's seconds: a collective beside one of its GEMMs (the dI all-reduce beside the dW GEMM) exposes
+    only what the GEMM does not cover."""
     blocking = sum(c.seconds for c in w.blocking)
-    if w.beside_wgrad:
-        ar = sum(c.seconds for c in w.beside_wgrad)
-        wgrad = w.compute["gemm wgrad"].seconds
-        blocking = blocking + (side_by_side(wgrad, ar) - wgrad if overlap else ar)
+    for op, colls in w.beside.items():
+        t = sum(c.seconds for c in colls)
+        gemm = w.compute[op].seconds
+        blocking = blocking + (side_by_side(gemm, t) - gemm if overlap else t)
     return Timed(w.name, w.compute_s(), blocking, sum(c.seconds for c in w.gather), sum(c.seconds for c in w.scatter))
 
 
@@ -224,7 +225,8 @@ def step_time(profile: MachineProfile, sched: Schedule, overlap: bool, explain: 
     plan = sched.buckets
     n_grad = len(plan.rows) if plan else 1
     step = sched.step
-    t_others = sum(s.seconds for s in step[n_grad:])
+    # the updated weights' D all-gather (optimizer sharding) may run beside the next step's first forward
+    t_others = sum(s.seconds if s.phase != "next forward" else side(t_fwd, s.seconds) - t_fwd for s in step[n_grad:])
     t_grad = step[0].seconds
     hidden = 0.0
     if plan is not None:

@@ -1,0 +1,181 @@
+"""Execution: how a training framework runs the step on a 4D grid, beyond the grid itself (Calculon's
+"execution" beside its system and application). The bundled trainer is `axoplan`, the default; the other
+presets describe published frameworks so that plans for them, and the published runs they measured, are
+predicted with the mechanisms they really run. Each field is one mechanism; the schedule (schedule.py),
+the element-wise work (compute.py) and memory (memory.py) read it, nothing else does.
+
+`axoplan rank|explain|scale --execution NAME|FILE.yaml`; a YAML file holds any of the fields below
+(`base: PRESET` starts from a preset). Only `axoplan` can be emitted and validated: the bundled trainer runs
+nothing else.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from axoplan.errors import UserError
+from axoplan.runconfig import Overlap
+from axoplan.yamlio import load_yaml
+
+WEIGHTS = ("fp32-cast", "low-precision-copy")
+RECOMPUTE = ("full", "op-selective")
+OPTIMIZER_SHARDING = ("none", "data-parallel")
+
+
+@dataclass(frozen=True)
+class Execution:
+    name: str = "axoplan"
+    # norms, residual adds and the activations they save split over Y by tokens (Megatron's sequence
+    # parallelism): each Y all-reduce becomes a reduce-scatter and an all-gather of the same ring volume, and a
+    # normal layer's backward gathers its token-split input again (beside its dI GEMM)
+    sequence_parallel: bool = False
+    # fp32-cast: fp32 master weights, cast to the compute dtype where gathered or used (the trainer, FSDP2);
+    # low-precision-copy: a compute-dtype copy kept beside the fp32 master, cast once per step after the update
+    # (Megatron's Float16Module)
+    weights: str = "fp32-cast"
+    # none: every D rank keeps the whole shard's optimizer states and all-reduces its fp32 gradients;
+    # data-parallel: the states split over D (Megatron's distributed optimizer, ZeRO-1): gradients
+    # reduce-scattered, the updated compute-dtype weights all-gathered
+    optimizer_sharding: str = "none"
+    # the D gradient reduction per bucket beside the last micro-batch's backward, not after it
+    overlap_grad_reduce: bool = Overlap().data_parallel
+    # optimizer sharding: the D all-gather of the updated weights beside the next step's first forward
+    overlap_param_gather: bool = False
+    # the forward's tensor-parallel collectives pipelined with their own GEMMs (Megatron --tp-comm-overlap)
+    tp_comm_overlap: bool = False
+    # what a checkpointing candidate recomputes in its backward. full: each block's whole forward from its
+    # input (the trainer). op-selective: torchtitan's per-op policy, which keeps the output of every matmul
+    # but every second one (counted in the block's order) and of attention, and recomputes the rest
+    recompute: str = "full"
+    source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
+
+    @property
+    def bundled(self) -> bool:
+        """The bundled trainer runs exactly this execution."""
+        return dataclasses.replace(self, name="axoplan", source=AXOPLAN.source) == AXOPLAN
+
+    def sequence_split(self, gy):
+        """Over how many ranks a token-wise tensor between the Y-split GEMMs is split (1 without SP)."""
+        return np.asarray(gy) if self.sequence_parallel else 1
+
+    def state_bytes(self, gdata):
+        """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
+        compute-dtype copy), the fp32 gradient, and the optimizer's fp32 states (AdamW's two moments, and the
+        fp32 master where the weight is a copy), split over D with optimizer sharding."""
+        low = self.weights == "low-precision-copy"
+        optimizer = 8 + (4 if low else 0)
+        split = np.asarray(gdata, dtype=np.float64) if self.optimizer_sharding == "data-parallel" else 1.0
+        return (2 if low else 4) + 4 + optimizer / split
+
+
+AXOPLAN = Execution()
+
+
+@dataclass(frozen=True)
+class SelectiveRecompute:
+    """The op-selective policy on one model's block: per block linear (qkv, attn_out, fc1, fc2) the share of
+    its forward FLOP recomputed, and the matmul outputs kept per token, in elements: those split over Y
+    (column-parallel outputs) and the [T, H] partial sums of the row-parallel ones (not split)."""
+
+    share: tuple
+    kept_split: float
+    kept_full: float
+
+
+def op_selective(model) -> SelectiveRecompute:
+    """torchtitan's op policy (torchtitan/models/llama3/parallelize: the mm count per block, every even one
+    recomputed) over the block's matmuls as a Llama block issues them: q, k, v, o, then w1, w3, w2 (a GELU MLP:
+    fc1, fc2). Shares are of FLOP (in x out per token); attention's output is kept (by the caller)."""
+    h, kv, f = model.hidden, model.kv_heads * model.head_dim, model.ffn
+    mats = [("qkv", h, False), ("qkv", kv, False), ("qkv", kv, False), ("attn_out", h, True)]
+    if model.mlp == "swiglu":
+        mats += [("fc1", f, False), ("fc1", f, False), ("fc2", h, True)]
+    else:
+        mats += [("fc1", f, False), ("fc2", h, True)]
+    ins = {"qkv": h, "attn_out": h, "fc1": h, "fc2": f}
+    flop = {n: 0.0 for n in ins}
+    redo = {n: 0.0 for n in ins}
+    kept_split = kept_full = 0.0
+    for i, (name, out, row) in enumerate(mats, start=1):
+        flop[name] += ins[name] * out
+        if i % 2 == 0:
+            redo[name] += ins[name] * out
+        elif row:
+            kept_full += out
+        else:
+            kept_split += out
+    return SelectiveRecompute(tuple(redo[n] / flop[n] for n in ins), kept_split, kept_full)
+
+_MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
+                    "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32)")
+PRESETS = {
+    "axoplan": AXOPLAN,
+    "megatron-core": Execution(
+        "megatron-core", sequence_parallel=True, weights="low-precision-copy", optimizer_sharding="data-parallel",
+        overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
+        source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
+               "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
+               "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
+               + _MEGATRON_FUSION),
+    "megatron-lm": Execution(
+        "megatron-lm", sequence_parallel=True, weights="low-precision-copy", overlap_grad_reduce=False,
+        source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): no "
+               "distributed optimizer, the data-parallel all-reduce after the backward; " + _MEGATRON_FUSION),
+    "megatron-axonn": Execution(
+        "megatron-axonn", weights="low-precision-copy", overlap_grad_reduce=False,
+        source="the AxoNN paper's runs (github.com/axonn-ai/Megatron-AxoNN, branch gordon-bell-perlmutter): "
+               "bf16 weights of Float16Module sharded and gathered over Z, --overlap-grad-reduce rejected, the "
+               "fp32 data-parallel all-reduce after the backward (docs/scale.md)"),
+    "torchtitan": Execution(
+        "torchtitan", sequence_parallel=True, recompute="op-selective",
+        source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
+               "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather); its "
+               "default activation checkpointing, selective per op (activation_checkpoint.mode 'selective', "
+               "selective_ac_option 'op')"),
+}
+
+
+def _check(e: Execution, where: str) -> Execution:
+    if e.weights not in WEIGHTS:
+        raise UserError(f"{where}: weights must be one of {', '.join(WEIGHTS)}, not '{e.weights}'")
+    if e.optimizer_sharding not in OPTIMIZER_SHARDING:
+        raise UserError(f"{where}: optimizer_sharding must be one of {', '.join(OPTIMIZER_SHARDING)}, "
+                        f"not '{e.optimizer_sharding}'")
+    if e.recompute not in RECOMPUTE:
+        raise UserError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)}, not '{e.recompute}'")
+    if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
+        raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
+    return e
+
+
+def load_execution(name_or_path: str | Execution | None) -> Execution:
+    """A preset by name, or a YAML file of Execution fields (`base: PRESET` to start from one)."""
+    if name_or_path is None:
+        return AXOPLAN
+    if isinstance(name_or_path, Execution):
+        return _check(name_or_path, name_or_path.name)
+    s = str(name_or_path)
+    if s in PRESETS:
+        return PRESETS[s]
+    p = Path(s)
+    if not (s.endswith((".yaml", ".yml")) or p.exists()):
+        raise UserError(f"unknown execution '{s}'; known: {', '.join(PRESETS)} (or a YAML file of its fields)")
+    if not p.is_file():
+        raise UserError(f"execution file '{s}' {'is not a file' if p.exists() else 'does not exist'}")
+    data = load_yaml(p, s)
+    if not isinstance(data, dict):
+        raise UserError(f"{s}: expected a mapping of execution fields at the top level")
+    base = data.pop("base", "axoplan")
+    if base not in PRESETS:
+        raise UserError(f"{s}: base '{base}' is not a preset ({', '.join(PRESETS)})")
+    known = {f.name: f.type for f in dataclasses.fields(Execution)}
+    for k, v in data.items():
+        if k not in known:
+            raise UserError(f"{s}: unknown field '{k}' (known: base, {', '.join(known)})")
+        if (known[k] == "bool") != isinstance(v, bool) or (known[k] == "str" and not isinstance(v, str)):
+            raise UserError(f"{s}: field '{k}' must be {'true or false' if known[k] == 'bool' else 'a string'}")
+    return _check(dataclasses.replace(PRESETS[base], **{"name": p.stem, "source": f"{s} (base {base})", **data}), s)

@@ -1,0 +1,179 @@
+"""Executions (axoplan/planner/execution.py): the mechanisms of the frameworks the published runs used, each
+checked by hand against the bundled trainer's execution, which they leave unchanged."""
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import one_sentence, run_cli, tiny_model
+
+from axoplan.errors import UserError
+from axoplan.planner import comm, schedule, timing
+from axoplan.planner.compute import elementwise_work, step_work
+from axoplan.planner.execution import AXOPLAN, PRESETS, Execution, load_execution, op_selective
+from axoplan.planner.machine import load_profile
+from axoplan.planner.rank import explain, rank
+from axoplan.planner.space import Candidates
+from axoplan.planner.specs import Job, load_model
+
+SP = Execution(sequence_parallel=True)
+
+
+def test_state_bytes_by_hand():
+    assert AXOPLAN.state_bytes(8) == 16  # fp32 weight, gradient, two moments
+    # Megatron: bf16 weight, fp32 gradient; fp32 master and two moments split over D
+    assert PRESETS["megatron-core"].state_bytes(4) == pytest.approx(2 + 4 + 12 / 4)
+    assert PRESETS["megatron-lm"].state_bytes(4) == 2 + 4 + 12
+    assert AXOPLAN.bundled and not PRESETS["megatron-core"].bundled
+
+
+def test_op_selective_policy_by_hand():
+    # Llama: q, k, v, o, w1, w3, w2; k, o and w3 (2nd, 4th, 6th) recomputed
+    sel = op_selective(load_model("llama3-8b"))  # hidden 4096, 8 kv heads of 128, ffn 14336
+    h, kv, f = 4096, 1024, 14336
+    assert sel.share == pytest.approx((h * kv / (h * h + 2 * h * kv), 1.0, 0.5, 0.0))
+    assert sel.kept_split == h + kv + f and sel.kept_full == h  # q, v, w1 kept; w2's [T, H] output
+    # a GELU MLP: q, k, v, o, fc1, fc2; k, o and fc2 recomputed
+    g = op_selective(tiny_model())
+    assert g.share == pytest.approx((1 / 3, 1.0, 0.0, 1.0)) and g.kept_split == 64 + 64 + 256 and g.kept_full == 0
+
+
+def test_sequence_parallel_splits_norms_and_residuals_by_hand():
+    m = tiny_model()
+    gx, gy, mb, S, e = 1, 4, 2, 64, 2
+    off = elementwise_work(m, gx, gy, 1, mb, S, e, fused=True)
+    on = elementwise_work(m, gx, gy, 1, mb, S, e, fused=True, execution=SP)
+    T, hx = mb * S, 64 / gx
+    # two norms (2 e per element) and two residual adds (3 e) on T / gy tokens instead of T
+    assert float(off.block_fwd.bytes - on.block_fwd.bytes) == pytest.approx(10 * e * hx * T * (1 - 1 / gy))
+    assert float(on.block_fwd.kernels) == float(off.block_fwd.kernels)
+    one = elementwise_work(m, gx, 1, 1, mb, S, e, fused=True, execution=SP)  # gy 1: nothing to split
+    assert float(one.block_fwd.bytes) == float(elementwise_work(m, gx, 1, 1, mb, S, e, fused=True).block_fwd.bytes)
+
+
+def test_low_precision_copy_casts_once_per_step():
+    m = tiny_model()
+    copy = Execution(weights="low-precision-copy")
+    w = elementwise_work(m, 1, 2, 1, 2, 64, 2, execution=copy)
+    assert all(float(c.bytes) == 0 for c in w.gather_casts)
+    base = elementwise_work(m, 1, 2, 1, 2, 64, 2)
+    assert all(float(c.bytes) > 0 for c in base.gather_casts)
+    shard = 1000.0
+    a = step_work(m, 1, 1, 4, 2, 64, 1, shard, True)
+    b = step_work(m, 1, 1, 4, 2, 64, 1, shard, True, copy, 2)
+    assert float(b.bytes - a.bytes) == pytest.approx((4 + 2) * shard) and float(b.kernels - a.kernels) == 1
+    # optimizer sharding: AdamW (28 bytes per element, fused) over a quarter of the shard, the cast too
+    c = step_work(m, 1, 1, 4, 2, 64, 1, shard, True, dataclasses.replace(copy, optimizer_sharding="data-parallel"), 2)
+    assert float(b.bytes - c.bytes) == pytest.approx((28 + 6) * shard * 3 / 4)
+
+
+def _sched(m, prof, grid, ex, mb=1, batch=16, ck=False):
+    c = Candidates(*(np.array([v]) for v in grid), np.array([0]), np.array([mb]), np.array([ck]))
+    return schedule.build(m, prof, Job(int(np.prod(grid)), batch, m.seq_len), c, c.checkpointing, True, True,
+                          comm.place(prof, c), ex), c
+
+
+def test_distributed_optimizer_collectives_by_hand():
+    m = tiny_model()
+    prof = load_profile("dgx-h100")
+    ex = dataclasses.replace(PRESETS["megatron-core"], overlap_grad_reduce=False)
+    s, _ = _sched(m, prof, (1, 2, 1, 4), ex)
+    grads, weights = s.step[0], s.step[1]
+    shard = float(s.params.total[0])
+    assert (grads.kind, grads.axis, float(grads.nbytes[0])) == ("reduce_scatter", "d", shard * 4)
+    assert (weights.kind, weights.axis, weights.phase, float(weights.nbytes[0])) == ("all_gather", "d",
+                                                                                    "next forward", shard * 2)
+    # without optimizer sharding: one fp32 all-reduce and no weight gather
+    base, _ = _sched(m, prof, (1, 2, 1, 4), Execution(overlap_grad_reduce=False))
+    assert base.step[0].kind == "all_reduce" and all(c.layer != "weights" for c in base.step)
+
+
+def test_param_gather_hidden_behind_the_first_forward():
+    m = tiny_model()
+    prof = load_profile("dgx-h100").replace(physics=dataclasses.replace(load_profile("dgx-h100").physics,
+                                                                        overlap_slowdown=0.0))
+    ex = dataclasses.replace(PRESETS["megatron-core"], overlap_grad_reduce=False)
+    hidden = timing.step_time(prof, _sched(m, prof, (1, 1, 1, 8), ex)[0], True)
+    s2, _ = _sched(m, prof, (1, 1, 1, 8), dataclasses.replace(ex, overlap_param_gather=False))
+    exposed = timing.step_time(prof, s2, True)
+    ag = float(s2.step[1].seconds[0])
+    fwd = float(hidden.forward[0])
+    # with no contention the gather costs only what the forward does not cover
+    assert float(exposed.batch[0] - hidden.batch[0]) == pytest.approx(min(ag, fwd), rel=1e-9)
+
+
+def test_tp_overlap_and_sequence_parallel_timing():
+    m = load_model("gpt-20b")
+    prof = load_profile("dgx-h100")
+    base = dataclasses.replace(PRESETS["megatron-core"], tp_comm_overlap=False)
+    t_off = timing.step_time(prof, _sched(m, prof, (1, 8, 1, 4), base, batch=32)[0], True).batch
+    s_on, _ = _sched(m, prof, (1, 8, 1, 4), PRESETS["megatron-core"], batch=32)
+    t_on = timing.step_time(prof, s_on, True).batch
+    assert float(t_on[0]) < float(t_off[0])
+    # the forward all-reduce sits beside its window's GEMM; SP's input gather beside the dI GEMM of normal layers
+    qkv_f, attn_f = s_on.forward.block[0], s_on.forward.block[1]
+    assert [c.kind for c in attn_f.beside["gemm fwd"]] == ["all_reduce"] and not attn_f.blocking
+    qkv_b = [w for w in s_on.backward.block if w.name == "qkv"][0]
+    assert [(c.kind, c.axis) for c in qkv_b.beside["gemm dgrad"]] == [("all_gather", "y")]
+    assert "gemm dgrad" not in [w for w in s_on.backward.block if w.name == "attn_out"][0].beside
+    assert qkv_f.beside["gemm fwd"][0].axis == "x"  # a normal layer's forward all-reduce (here over 1 GPU)
+
+
+def test_op_selective_recompute_windows():
+    m = load_model("llama3-8b")
+    prof = load_profile("dgx-h100")
+    sel, _ = _sched(m, prof, (1, 1, 8, 1), PRESETS["torchtitan"], ck=True)
+    full, _ = _sched(m, prof, (1, 1, 8, 1), dataclasses.replace(PRESETS["torchtitan"], recompute="full"), ck=True)
+    shares = op_selective(m).share
+    rec_sel = [w for w in sel.backward_recompute.block if w.name.endswith("(recompute)")]
+    rec_full = [w for w in full.backward_recompute.block if w.name.endswith("(recompute)")]
+    for w_s, w_f, share in zip(rec_sel, rec_full, shares):
+        assert float(w_s.compute["gemm fwd"].seconds[0]) == pytest.approx(share * float(w_f.compute["gemm fwd"].seconds[0]))
+        assert "attention" not in w_s.compute and w_s.gather == w_f.gather
+    assert "attention" in rec_full[0].compute
+    # memory: each earlier block keeps its policy's outputs beside its input, less than without checkpointing
+    kw = dict(grid=(1, 1, 8, 1), micro_batch=1)
+    act = {ck: float(explain(m, prof, 8, 8, checkpointing=ck, execution=PRESETS["torchtitan"], **kw)
+                     .memory.set_index("kind").gib["activations"]) for ck in (True, False)}
+    act_full = float(explain(m, prof, 8, 8, checkpointing=True, execution=dataclasses.replace(
+        PRESETS["torchtitan"], recompute="full"), **kw).memory.set_index("kind").gib["activations"])
+    assert act_full < act[True] < act[False]
+
+
+def test_the_bundled_execution_is_the_default():
+    m = tiny_model()
+    a = rank(m, "dgx-h100", 8, 16, top=5)
+    b = rank(m, "dgx-h100", 8, 16, top=5, execution="axoplan")
+    assert a.equals(b)
+    c = rank(m, "dgx-h100", 8, 16, top=5, execution="megatron-core")
+    assert not np.allclose(a.batch_time_s.to_numpy(), c.batch_time_s.to_numpy())
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("sequence_parallel: 3\n", "must be true or false"),
+    ("foo: 1\n", "unknown field 'foo'"),
+    ("weights: fp16\n", "weights must be one of"),
+    ("recompute: some\n", "recompute must be one of"),
+    ("base: deepspeed\n", "is not a preset"),
+    ("overlap_param_gather: true\n", "needs optimizer_sharding"),
+    ("- 1\n", "expected a mapping"),
+])
+def test_bad_execution_files_are_one_sentence(tmp_path, text, msg):
+    p = tmp_path / "ex.yaml"
+    p.write_text(text)
+    with pytest.raises(UserError, match=msg):
+        load_execution(str(p))
+
+
+def test_execution_file_and_cli(tmp_path, capsys):
+    p = tmp_path / "mine.yaml"
+    p.write_text("base: megatron-core\ntp_comm_overlap: false\n")
+    ex = load_execution(str(p))
+    assert ex.name == "mine" and ex.sequence_parallel and not ex.tp_comm_overlap
+    code, out, _ = run_cli(["rank", "-m", "gpt-tiny", "-p", "dgx-h100", "-g", "8", "-b", "16", "-e", str(p)], capsys)
+    assert code == 0 and "execution: mine" in out
+    for cmd in (["rank"], ["explain", "--grid", "1,1,1,8"], ["scale", "--gpus", "8"]):
+        args = cmd + ["--model" if cmd[0] == "scale" else "-m", "gpt-tiny", "--machine", "dgx-h100",
+                      "--global-batch", "16", "--execution", "nope"] + ([] if cmd[0] == "scale" else ["-g", "8"])
+        code, _, err = run_cli(args, capsys)
+        one_sentence(code, err)
+        assert "unknown execution 'nope'" in err
