@@ -177,3 +177,18 @@ def test_execution_file_and_cli(tmp_path, capsys):
         code, _, err = run_cli(args, capsys)
         one_sentence(code, err)
         assert "unknown execution 'nope'" in err
+
+
+def test_recompute_without_prefetch_waits_for_its_first_gather():
+    m = load_model("gpt-20b")
+    prof = load_profile("perlmutter")
+    ahead, _ = _sched(m, prof, (1, 1, 8, 2), Execution(), ck=True)
+    restart, _ = _sched(m, prof, (1, 1, 8, 2), Execution(prefetch_into_recompute=False), ck=True)
+    first_a, first_r = ahead.backward_recompute.block[0], restart.backward_recompute.block[0]
+    assert first_a.gather and not first_r.gather and first_r.blocking[0] is not None
+    assert [c.kind for c in first_r.blocking] == ["all_gather"] + [c.kind for c in first_a.blocking]
+    t_a = timing.step_time(prof, ahead, True).batch
+    t_r = timing.step_time(prof, restart, True).batch
+    # the restart exposes the gather the previous block's backward hid: at most the gather, once per block
+    gap = float(t_r[0] - t_a[0])
+    assert 0 < gap <= m.n_layers * float(first_r.blocking[0].seconds[0]) * (1 + 1e-9)

@@ -50,6 +50,10 @@ class Execution:
     # input (the trainer). op-selective: torchtitan's per-op policy, which keeps the output of every matmul
     # but every second one (counted in the block's order) and of attention, and recomputes the rest
     recompute: str = "full"
+    # a checkpointing block's recompute gathers its first weight ahead, during the previous block's backward;
+    # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
+    # Linear ahead, restarted per recomputed layer)
+    prefetch_into_recompute: bool = True
     source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
 
     @property
@@ -126,10 +130,11 @@ PRESETS = {
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): no "
                "distributed optimizer, the data-parallel all-reduce after the backward; " + _MEGATRON_FUSION),
     "megatron-axonn": Execution(
-        "megatron-axonn", weights="low-precision-copy", overlap_grad_reduce=False,
+        "megatron-axonn", weights="low-precision-copy", overlap_grad_reduce=False, prefetch_into_recompute=False,
         source="the AxoNN paper's runs (github.com/axonn-ai/Megatron-AxoNN, branch gordon-bell-perlmutter): "
                "bf16 weights of Float16Module sharded and gathered over Z, --overlap-grad-reduce rejected, the "
-               "fp32 data-parallel all-reduce after the backward (docs/scale.md)"),
+               "fp32 data-parallel all-reduce after the backward, the weight prefetch restarted per recomputed layer "
+               "(docs/scale.md)"),
     "torchtitan": Execution(
         "torchtitan", sequence_parallel=True, recompute="op-selective",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "

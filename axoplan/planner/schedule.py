@@ -276,6 +276,10 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
     else:
         recompute = [fwd_window(i, " (recompute)") for i in range(4)]
+    if not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
+        first = recompute[0]
+        recompute[0] = Window(first.name, first.compute, first.gather + first.blocking, first.beside, [],
+                              first.scatter, first.moments)
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
