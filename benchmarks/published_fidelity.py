@@ -7,8 +7,8 @@ machine (benchmarks/data/machines.yaml, with the machine's own memory facts wher
 compared with what the source measured. Nothing is fitted to the published numbers.
 
 Mapping to the 4D space (gx, gy, gz, gdata):
-- PyTorch FSDP FULL_SHARD / ZeRO-3 over N GPUs: the Z axis, (1, 1, N, 1); SHARD_GRAD_OP (ZeRO-2) too (Z
-  gathers weights once more in backward than ZeRO-2 does; the gathers overlap, so the time differs little).
+- PyTorch FSDP FULL_SHARD / ZeRO-3 over N GPUs: the Z axis, (1, 1, N, 1); SHARD_GRAD_OP (ZeRO-2) too, with
+  the execution's reshard_after_forward off (the weights stay gathered from the forward to the backward).
 - 1D tensor parallelism (Megatron TP, torchtitan TP) of size t: the Y axis, gx = 1, gy = t; FSDP beside it is
   Z; data parallelism (DDP, Megatron DP, ZeRO-1) is D.
 - Selective activation recomputation (Megatron, torchtitan) is not in the space: mapped to checkpointing off
@@ -57,6 +57,10 @@ from axoplan.planner.rank import explain
 from axoplan.planner.specs import ModelSpec, load_model
 
 DATA = Path(__file__).resolve().parent / "data"
+# PyTorch FSDP SHARD_GRAD_OP: the bundled trainer's Z sharding with the weights kept gathered after the forward
+ZERO2 = dataclasses.replace(AXOPLAN, name="fsdp-shard-grad-op", reshard_after_forward=False,
+                            source="torch.distributed.fsdp ShardingStrategy.SHARD_GRAD_OP: parameters are not "
+                                   "resharded after the forward, gradients reduce-scattered")
 
 
 @dataclass
@@ -112,10 +116,12 @@ def llmfoundry():
         n = int(r["gpus"])
         # MPT: GeLU MLP x4, LayerNorm, ALiBi (no position table; 'learned' adds only an embedding), vocab 50368
         model = _gpt(r["model"].lower(), r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq_len"], vocab_multiple=64)
-        notes = ["ZeRO-2 as Z"] if r["sharding"] == "SHARD_GRAD_OP" else []
+        zero2 = r["sharding"] == "SHARD_GRAD_OP"  # the Z axis with the gathered weights kept until the backward
+        notes = ["ZeRO-2"] if zero2 else []
         runs.append(Run(ds, src, label, model, n, int(r["global_batch"]), int(r["seq_len"]), (1, 1, n, 1), "xyz",
                         int(r["micro_batch"]), r["activation_checkpointing"] == "True",
-                        float(r["time_per_iteration_s_derived"]), f"{ds}:{r['model']}", notes))
+                        float(r["time_per_iteration_s_derived"]), f"{ds}:{r['model']}", notes,
+                        ZERO2 if zero2 else AXOPLAN))
     return runs, out
 
 

@@ -192,3 +192,27 @@ def test_recompute_without_prefetch_waits_for_its_first_gather():
     # the restart exposes the gather the previous block's backward hid: at most the gather, once per block
     gap = float(t_r[0] - t_a[0])
     assert 0 < gap <= m.n_layers * float(first_r.blocking[0].seconds[0]) * (1 + 1e-9)
+
+
+def test_weights_kept_gathered_after_the_forward():
+    m = tiny_model(n_layers=3)
+    prof = load_profile("dgx-h100")
+    keep = Execution(reshard_after_forward=False)
+    s, c = _sched(m, prof, (1, 1, 8, 1), keep)
+    base, _ = _sched(m, prof, (1, 1, 8, 1), Execution())
+    assert all(not w.gather for w in s.backward.prefix + s.backward.block + s.backward_recompute.block)
+    assert all(w.gather for w in base.backward.block)
+    assert [w.gather for w in s.forward.block] == [w.gather for w in base.forward.block]
+    assert all("weight cast" not in w.compute for w in s.backward.block + s.backward_recompute.block)
+    # memory by hand: at the last block's backward every block's gathered weight (bf16, padded to 8 shards)
+    # and the embedding's are live
+    pad = [-(-(64 * n) // 8) * 8 for n in (192, 64, 256)] + [-(-(256 * 64) // 8) * 8]
+    emb = -(-(256 * 64) // 8) * 8
+    t_keep = float(rank(m, prof, 8, 16, top=1, execution=keep).batch_time_s.iloc[0])
+    t_base = float(rank(m, prof, 8, 16, top=1).batch_time_s.iloc[0])
+    assert t_keep <= t_base * (1 + 1e-12)
+    from axoplan.planner.memory import step_moments  # the walk itself: L blocks + embedding at the last block
+    mom = step_moments(m, 1, 1, 8, 64.0, False, 1000.0, 0.0, [64 * 192, 64 * 64, 64 * 256, 256 * 64], 64 * 256,
+                       256 * 64, 2, True, 2, (s.forward, s.backward), execution=keep)
+    first = [k for k in mom if k.startswith("backward last block")][0]
+    assert mom[first]["gathered"] == pytest.approx(3 * sum(pad) * 2 + emb * 2)

@@ -50,6 +50,10 @@ class Execution:
     # input (the trainer). op-selective: torchtitan's per-op policy, which keeps the output of every matmul
     # but every second one (counted in the block's order) and of attention, and recomputes the rest
     recompute: str = "full"
+    # the Z-gathered weights freed after their forward and gathered again for the backward (and its recompute);
+    # false: kept gathered from the forward to the end of their backward (FSDP SHARD_GRAD_OP / ZeRO-2, FSDP2
+    # reshard_after_forward=False; AxoNN's weight caching of every layer)
+    reshard_after_forward: bool = True
     # a checkpointing block's recompute gathers its first weight ahead, during the previous block's backward;
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)

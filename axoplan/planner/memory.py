@@ -195,11 +195,12 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     logits = {"": 0.0, "loss forward": loss_f, "loss backward": loss_b, "logits gradient": T * vl * e}
     order = []  # reduce-scatters issued so far, oldest first
 
-    def walk(windows, label, activations, then, live, block: bool):
+    def walk(windows, label, activations, then, live, block: bool, cached=None):
         """The moments of these windows in order. Without checkpointing a window holds its own weight at its
         GEMM and prefetches the next gather to come: its own before its GEMM, else the next window's (after
         the last window, `then`); in a block under checkpointing, the recomputed weights still kept and the
-        next block's first. `live`: the activations still saved, freed as the moments say."""
+        next block's first. `live`: the activations still saved, freed as the moments say. `cached`: the
+        weights an execution that does not reshard after the forward still holds gathered (all of them)."""
         for i, w in enumerate(windows):
             layer = layers[w.name]
             following = layers[windows[i + 1].name].gathered if i + 1 < len(windows) else then
@@ -210,6 +211,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                 gathered = (own.gathered if own is not None else 0.0) + nxt * pre
                 if block:
                     gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre, gathered)
+                if cached is not None:
+                    gathered = cached
                 moment(label + mo.name, gathered, inflight(order) + (own.dw if own is not None else 0.0),
                        activations(live), logits[mo.logits], transients[mo.transient] + (dres if block else 0.0))
                 for k in mo.frees:
@@ -221,8 +224,14 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the loss, the LM head's and the final norm's backward: the stack of activations until the LM head's
     # input is freed; the next gather is the last block's first: the recompute's (qkv) or the backward's (fc2)
     first = np.where(ck, kept[0], layers[backward.block[0].name].gathered)
+    # without resharding after the forward every gathered weight stays until its own backward is done
+    per_block = sum(layers[n].gathered for n in ("qkv", "attn_out", "fc1", "fc2"))
+
+    def cache(blocks, head=False):
+        return None if execution.reshard_after_forward else blocks * per_block + emb.gathered + head * lm.gathered
+
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
-         {"head input": Ts * hx * e}, False)
+         {"head input": Ts * hx * e}, False, cache(L, True))
 
     # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
     recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
@@ -230,10 +239,10 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
         walk(backward.block, f"backward {label} ",
              lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,
-             layers[backward.block[0].name].gathered, dict(saved), True)
+             layers[backward.block[0].name].gathered, dict(saved), True, cache(L - blk))
 
     # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
-    walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False)
+    walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False, cache(0))
     moment("optimizer step", 0.0, 0.0, 0.0)
 
     return moments

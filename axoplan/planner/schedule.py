@@ -258,9 +258,11 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
-                     [norm_b], head_colls["ar_bwd"], [head_colls["ag"]], head_colls["rs"], overlap)
+                     [norm_b], head_colls["ar_bwd"], [head_colls["ag"]] if ex.reshard_after_forward else [],
+                     head_colls["rs"], overlap)
     emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
                    moments=EMBEDDING_MOMENTS)
+
     def selective_window(i, share):
         """op-selective recompute: the window's element-wise forward and the matmul share the policy drops;
         the attention output and the TP collectives' outputs are kept; the weight is gathered as for full
@@ -271,12 +273,15 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
                 "weight cast": casts[i]}
         return Window(lins[i].name + " (recompute)", comp, [norm_f] if norms[i] else [], gather=[colls[i]["ag"]])
 
-    plain = [bwd_window(i, True) for i in reversed(range(4))]
+    plain = [bwd_window(i, ex.reshard_after_forward) for i in reversed(range(4))]
     if ex.recompute == "op-selective":
         recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
     else:
         recompute = [fwd_window(i, " (recompute)") for i in range(4)]
-    if not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
+    if not ex.reshard_after_forward:  # the weights stay gathered from the forward: the recompute gathers nothing
+        recompute = [Window(w.name, {k: v for k, v in w.compute.items() if k != "weight cast"}, w.blocking, w.beside,
+                            [], w.scatter, w.moments) for w in recompute]
+    elif not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
         first = recompute[0]
         recompute[0] = Window(first.name, first.compute, first.gather + first.blocking, first.beside, [],
                               first.scatter, first.moments)
