@@ -27,7 +27,8 @@ Errors are |predicted/measured - 1| of time per iteration; Kendall tau ranks tok
 measured, within one model on one machine (groups of 3 or more runs), averaged over the groups.
 
 --ablate adds each GPU mechanism's share (issue 15): the tables again with all profile physics off, then each
-one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap).
+one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap), and
+with every run predicted with the bundled trainer's execution instead of its framework's.
 
     python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate]
 """
@@ -333,6 +334,13 @@ def ablation(runs: list, profiles: dict) -> dict:
         res[name] = {ds: summarise([x for x in rows if x["dataset"] == ds])
                      for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
         res[name]["overall"] = summarise(rows)
+    # every run as the bundled trainer would run it (per-op selective checkpointing as none, as before executions)
+    bundled = [dataclasses.replace(r, execution=AXOPLAN, checkpointing=r.checkpointing and r.execution.recompute == "full")
+               for r in runs]
+    rows = [{"dataset": r.dataset, "group": r.group, **predict(r, profiles[r.dataset])} for r in bundled]
+    res["all, bundled execution"] = {ds: summarise([x for x in rows if x["dataset"] == ds])
+                                     for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
+    res["all, bundled execution"]["overall"] = summarise(rows)
     return res
 
 
