@@ -130,6 +130,14 @@ def test_op_selective_recompute_windows():
         assert float(w_s.compute["gemm fwd"].seconds[0]) == pytest.approx(share * float(w_f.compute["gemm fwd"].seconds[0]))
         assert "attention" not in w_s.compute and w_s.gather == w_f.gather
     assert "attention" in rec_full[0].compute
+    # with tensor parallelism a recomputed matmul of a normal layer gathers its sequence-parallel input again
+    tp, _ = _sched(m, prof, (1, 8, 1, 1), PRESETS["torchtitan"], ck=True)
+    rec = {w.name: w for w in tp.backward_recompute.block if w.name.endswith("(recompute)")}
+    def y_gathers(w):
+        return [c for c in w.blocking if (c.kind, c.axis) == ("all_gather", "y")]
+
+    assert len(y_gathers(rec["qkv (recompute)"])) == 1 and len(y_gathers(rec["fc1 (recompute)"])) == 1
+    assert not rec["attn_out (recompute)"].blocking and not rec["fc2 (recompute)"].blocking
     # memory: each earlier block keeps its policy's outputs beside its input, less than without checkpointing
     kw = dict(grid=(1, 1, 8, 1), micro_batch=1)
     act = {ck: float(explain(m, prof, 8, 8, checkpointing=ck, execution=PRESETS["torchtitan"], **kw)

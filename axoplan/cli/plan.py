@@ -166,7 +166,7 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
                      f"profile's measured table (extrapolated)")
     if no_overlap:
         parts.append("overlap (OAR/ORS/OAG) modelled as off")
-    if execution != "axoplan":
+    if not r.execution.bundled:
         parts.append(f"execution: {r.execution.name} ({r.execution.source}); the bundled trainer runs only 'axoplan'")
     _emit(_render(parts), output)
 

@@ -265,13 +265,15 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     def selective_window(i, share):
         """op-selective recompute: the window's element-wise forward and the matmul share the policy drops;
-        the attention output and the TP collectives' outputs are kept; the weight is gathered as for full
-        recompute (the backward needs it)."""
+        attention's output and the reduce-scatters' are kept, but a recomputed matmul's sequence-parallel input
+        is gathered again; the weight is gathered as for full recompute (the backward needs it)."""
         g_op = gemm(gemms[i], "fwd")
         comp = {"gemm fwd": Op("gemm", g_op.seconds * share, g_op.shape, g_op.layout),
                 "element-wise": attention_f[i].get("element-wise", Op("element-wise", 0.0, kernels=0.0)),
                 "weight cast": casts[i]}
-        return Window(lins[i].name + " (recompute)", comp, [norm_f] if norms[i] else [], gather=[colls[i]["ag"]])
+        regather = [colls[i]["ag_input"]] if share > 0 and "ag_input" in colls[i] else []
+        return Window(lins[i].name + " (recompute)", comp, ([norm_f] if norms[i] else []) + regather,
+                      gather=[colls[i]["ag"]])
 
     plain = [bwd_window(i, ex.reshard_after_forward) for i in reversed(range(4))]
     if ex.recompute == "op-selective":
