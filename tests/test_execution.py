@@ -224,3 +224,13 @@ def test_weights_kept_gathered_after_the_forward():
                        256 * 64, 2, True, 2, (s.forward, s.backward), execution=keep)
     first = [k for k in mom if k.startswith("backward last block")][0]
     assert mom[first]["gathered"] == pytest.approx(3 * sum(pad) * 2 + emb * 2)
+
+
+def test_recomputed_flop_counted_as_the_execution_recomputes():
+    m = load_model("llama3-8b")
+    S = m.seq_len
+    full = AXOPLAN.recomputed_flops_per_token(m, S)
+    assert full == pytest.approx(m.flops_per_token(S, recompute=True) - m.flops_per_token(S))
+    h, kv, f = 4096, 1024, 14336
+    # k, o and w3 again: 2 FLOP per weight element per token, every layer
+    assert PRESETS["torchtitan"].recomputed_flops_per_token(m, S) == pytest.approx(2 * (h * kv + h * h + h * f) * 32)

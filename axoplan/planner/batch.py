@@ -97,7 +97,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         code = np.where(mask, i, code)
     feasible = code < 0
 
-    flops_token = np.where(ck, model.flops_per_token(S, recompute=True), model.flops_per_token(S, recompute=False))
+    once = model.flops_per_token(S, recompute=False)
+    flops_token = np.where(ck, once + execution.recomputed_flops_per_token(model, S), once)
     flops_gpu = flops_token * job.tokens_per_batch / job.gpus
 
     detail = {"schedule": sched, "time": timed_step} if explain else {}

@@ -69,6 +69,14 @@ class Execution:
         """Over how many ranks a token-wise tensor between the Y-split GEMMs is split (1 without SP)."""
         return np.asarray(gy) if self.sequence_parallel else 1
 
+    def recomputed_flops_per_token(self, model, seq_len: int) -> float:
+        """Model FLOP per token a checkpointing candidate computes again: the blocks' whole forward (full), or
+        the matmul share the op-selective policy recomputes."""
+        if self.recompute == "op-selective":
+            shares = op_selective(model).share
+            return 2 * sum(s * lin.k * lin.n for s, lin in zip(shares, model.block_linears())) * model.n_layers
+        return model.flops_per_token(seq_len, recompute=True) - model.flops_per_token(seq_len, recompute=False)
+
     def state_bytes(self, gdata):
         """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
         compute-dtype copy), the fp32 gradient, and the optimizer's fp32 states (AdamW's two moments, and the
