@@ -21,10 +21,12 @@ Run: python benchmarks/paper_scaling.py [--weak] [--execution megatron-axonn] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from axoplan.errors import UserError
+from axoplan.planner.execution import load_execution
 from axoplan.planner.rank import rank
 from axoplan.studies.scale import weak_scaling
 from axoplan.planner.specs import load_model
@@ -50,6 +52,15 @@ def paper_pflops(model: str, batch_time_s: float) -> float:
     return flop / batch_time_s / 1e15
 
 
+def on_machine(execution: str, machine: str):
+    """The execution as it ran on this machine: Megatron-AxoNN's Frontier script passes --use-amd, which loads
+    none of Megatron's fused kernels (docs/scale.md: branch update-amd-script of axonn-ai/Megatron-AxoNN)."""
+    ex = load_execution(execution)
+    if ex.name == "megatron-axonn" and machine == "frontier":
+        return dataclasses.replace(ex, name="megatron-axonn (--use-amd)", elementwise_kernels="eager")
+    return ex
+
+
 def headline(execution: str, checkpointing: str) -> None:
     print(f"{'machine':<11} {'GPUs':>6} {'model':<9} {'grid x,y,z,d':>14} {'mb':>3} {'ckpt':>4} {'s/batch':>8} "
           f"{'pred PF/s':>10} {'published':>9} {'ratio':>6}  note")
@@ -57,7 +68,8 @@ def headline(execution: str, checkpointing: str) -> None:
         rows = []
         for name in MODELS:
             try:
-                df = rank(name, machine, gpus, BATCH, top=1, execution=execution, checkpointing=checkpointing)
+                df = rank(name, machine, gpus, BATCH, top=1, execution=on_machine(execution, machine),
+                          checkpointing=checkpointing)
             except UserError as e:
                 rows.append((name, None, str(e)))
                 continue
@@ -80,7 +92,7 @@ def headline(execution: str, checkpointing: str) -> None:
 
 def weak(execution: str, checkpointing: str) -> None:
     for machine, pairs in WEAK.items():
-        df = weak_scaling(pairs, machine, BATCH, execution=execution, checkpointing=checkpointing)
+        df = weak_scaling(pairs, machine, BATCH, execution=on_machine(execution, machine), checkpointing=checkpointing)
         print(f"weak scaling on {machine} (batch {BATCH} x 2048 tokens), efficiency vs {df.attrs['baseline_gpus']} GPUs")
         for _, r in df.iterrows():
             if not r["feasible"]:

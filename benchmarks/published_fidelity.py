@@ -58,10 +58,10 @@ from axoplan.planner.rank import explain
 from axoplan.planner.specs import ModelSpec, load_model
 
 DATA = Path(__file__).resolve().parent / "data"
-# PyTorch FSDP SHARD_GRAD_OP: the bundled trainer's Z sharding with the weights kept gathered after the forward
-ZERO2 = dataclasses.replace(AXOPLAN, name="fsdp-shard-grad-op", reshard_after_forward=False,
-                            source="torch.distributed.fsdp ShardingStrategy.SHARD_GRAD_OP: parameters are not "
-                                   "resharded after the forward, gradients reduce-scattered")
+# llm-foundry with PyTorch FSDP SHARD_GRAD_OP: the weights kept gathered after the forward
+ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
+                            source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
+                                   "SHARD_GRAD_OP: parameters not resharded after the forward")
 
 
 @dataclass
@@ -122,7 +122,7 @@ def llmfoundry():
         runs.append(Run(ds, src, label, model, n, int(r["global_batch"]), int(r["seq_len"]), (1, 1, n, 1), "xyz",
                         int(r["micro_batch"]), r["activation_checkpointing"] == "True",
                         float(r["time_per_iteration_s_derived"]), f"{ds}:{r['model']}", notes,
-                        ZERO2 if zero2 else AXOPLAN))
+                        ZERO2 if zero2 else PRESETS["llm-foundry"]))
     return runs, out
 
 
@@ -254,8 +254,6 @@ def machine_profiles() -> dict:
             kw["mem_headroom"] = d["headroom_gib"]["value"] * GIB
         if "bandwidth_gbs" in d:
             kw["mem_bandwidth"] = d["bandwidth_gbs"]["value"] * GB
-        if "elementwise_kernels" in d:  # the framework's own kernels: fused norms, activation and loss
-            kw["elementwise_kernels"] = d["elementwise_kernels"]["value"]
         if "attention_kernel_scale" in d:
             f = d["attention_kernel_scale"]["value"]
             rates = tuple((hd, s, tuple(x * f for x in fw), tuple(x * f for x in bw))

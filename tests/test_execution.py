@@ -15,7 +15,7 @@ from axoplan.planner.rank import explain, rank
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import Job, load_model
 
-SP = Execution(sequence_parallel=True)
+FUSED = Execution(elementwise_kernels="fused", loss_kernel="fused")
 
 
 def test_state_bytes_by_hand():
@@ -40,14 +40,14 @@ def test_op_selective_policy_by_hand():
 def test_sequence_parallel_splits_norms_and_residuals_by_hand():
     m = tiny_model()
     gx, gy, mb, S, e = 1, 4, 2, 64, 2
-    off = elementwise_work(m, gx, gy, 1, mb, S, e, fused=True)
-    on = elementwise_work(m, gx, gy, 1, mb, S, e, fused=True, execution=SP)
+    off = elementwise_work(m, gx, gy, 1, mb, S, e, execution=FUSED)
+    on = elementwise_work(m, gx, gy, 1, mb, S, e, execution=dataclasses.replace(FUSED, sequence_parallel=True))
     T, hx = mb * S, 64 / gx
     # two norms (2 e per element) and two residual adds (3 e) on T / gy tokens instead of T
     assert float(off.block_fwd.bytes - on.block_fwd.bytes) == pytest.approx(10 * e * hx * T * (1 - 1 / gy))
     assert float(on.block_fwd.kernels) == float(off.block_fwd.kernels)
-    one = elementwise_work(m, gx, 1, 1, mb, S, e, fused=True, execution=SP)  # gy 1: nothing to split
-    assert float(one.block_fwd.bytes) == float(elementwise_work(m, gx, 1, 1, mb, S, e, fused=True).block_fwd.bytes)
+    one = elementwise_work(m, gx, 1, 1, mb, S, e, execution=dataclasses.replace(FUSED, sequence_parallel=True))
+    assert float(one.block_fwd.bytes) == float(elementwise_work(m, gx, 1, 1, mb, S, e, execution=FUSED).block_fwd.bytes)
 
 
 def test_low_precision_copy_casts_once_per_step():
@@ -161,6 +161,8 @@ def test_the_bundled_execution_is_the_default():
     ("foo: 1\n", "unknown field 'foo'"),
     ("weights: fp16\n", "weights must be one of"),
     ("recompute: some\n", "recompute must be one of"),
+    ("loss_kernel: triton\n", "loss_kernel must be one of"),
+    ("elementwise_kernels: jit\n", "elementwise_kernels must be one of"),
     ("base: deepspeed\n", "is not a preset"),
     ("overlap_param_gather: true\n", "needs optimizer_sharding"),
     ("- 1\n", "expected a mapping"),
@@ -234,3 +236,26 @@ def test_recomputed_flop_counted_as_the_execution_recomputes():
     h, kv, f = 4096, 1024, 14336
     # k, o and w3 again: 2 FLOP per weight element per token, every layer
     assert PRESETS["torchtitan"].recomputed_flops_per_token(m, S) == pytest.approx(2 * (h * kv + h * h + h * f) * 32)
+
+
+def test_the_loss_kernel_apart_from_the_blocks():
+    """Megatron fuses norms and activations but runs its cross-entropy op by op over an fp32 copy of the logits."""
+    m = tiny_model()
+    mega = Execution(elementwise_kernels="fused")
+    both = Execution(elementwise_kernels="fused", loss_kernel="fused")
+    eager = elementwise_work(m, 1, 2, 1, 2, 64, 2)
+    w_mega, w_both = elementwise_work(m, 1, 2, 1, 2, 64, 2, execution=mega), elementwise_work(m, 1, 2, 1, 2, 64, 2,
+                                                                                                execution=both)
+    assert float(w_mega.block_fwd.bytes) == float(w_both.block_fwd.bytes) < float(eager.block_fwd.bytes)
+    T, V, e = 128, 128, 2
+    # the fused loss reads the [T, V/gy] logits once forward (e bytes each), twice backward with the gradient write
+    head_norm_fwd = float(w_both.head_fwd.bytes) - e * T * V
+    assert float(w_mega.head_fwd.bytes) - head_norm_fwd > 36 * T * V  # the fp32 copy and its passes
+    prof = load_profile("dgx-h100")
+    s, _ = _sched(m, prof, (1, 2, 1, 4), mega)
+    from axoplan.planner.memory import step_moments
+    args = (m, 1, 2, 1, 64.0, False, 1000.0, 0.0, [64 * 96, 32 * 64, 64 * 128, 128 * 64], 64 * 128, 128 * 64, 2,
+            True, 2, (s.forward, s.backward))
+    lm = step_moments(*args, execution=mega)["forward loss"]["logits"]
+    assert lm == pytest.approx(64 * V * (e + 4))  # the logits and their fp32 copy, as the trainer's
+    assert step_moments(*args, execution=both)["forward loss"]["logits"] == pytest.approx(64 * V * e + 64 * 4)

@@ -173,7 +173,7 @@ class ElementwiseWork:
 
 
 def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc=1,
-                     prefetch: bool = True, fused: bool = False, execution: Execution = AXOPLAN) -> ElementwiseWork:
+                     prefetch: bool = True, execution: Execution = AXOPLAN) -> ElementwiseWork:
     """Bytes and launches of the trainer's element-wise kernels for a compute dtype of dtype_bytes
     (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is. The
     execution's sequence parallelism splits the norms and residual adds over Y; its low-precision weight
@@ -184,13 +184,13 @@ def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dt
         first, inverse = distinct_rows(*cols)
         if len(first) < cols[0].size // 2:
             w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
-                                  fused, execution)
+                                  execution)
             return w.take(inverse)
-    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, fused, execution)
+    return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, execution)
 
 
 def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dtype_bytes: int, grad_acc,
-                      prefetch: bool, fused: bool = False, execution: Execution = AXOPLAN) -> ElementwiseWork:
+                      prefetch: bool, execution: Execution = AXOPLAN) -> ElementwiseWork:
     e, S = dtype_bytes, seq_len
     half = e != 4
     cast = half and execution.weights == "fp32-cast"  # weights cast to the compute dtype where they are used
@@ -242,14 +242,18 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     loss_f = Work((36 + e) * T * V + 18 * V + 171 * T, 21) + Work(16 * T + 4, 2) + Work(28, 3)
     # tokens[:, :-1] and tokens[:, 1:] of several sequences are not flat views: reshape(-1) copies them
     rows_copy = Work(32 * T, 2) * (np.asarray(micro_batch) > 1)
-    lm_cast = Work((4 + e) * s_lm, 1) * cast
-    # a prefetched gather over Z casts its shard when launched, one weight early; without Z the block casts at use
-    early = prefetch * (np.asarray(gz) > 1)
-    head_fwd = _norm_fwd(model.norm, Ts, hx, e) + lm_cast * (1 + early) + loss_f + rows_copy
     # the softmax recomputed from a second fp32 copy (copy, mask, sub_, exp_, div_), the target's -1, mul_
     loss_b = (Work(8 * T + 16, 2) + Work((44 + e) * T * V + 18 * V + 45 * T, 11)
               + Work((4 + e) * T * V, 1) * half)
-    head_bwd = (loss_b + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, e, e)
+    # the loss as the framework runs it: op by op over an fp32 copy as above, or one fused kernel reading the
+    # logits once forward and once backward
+    loss = ((Work(e * T * V, 1), Work(2 * e * T * V, 1)) if execution.loss_kernel == "fused"
+            else (loss_f + rows_copy, loss_b))
+    lm_cast = Work((4 + e) * s_lm, 1) * cast
+    # a prefetched gather over Z casts its shard when launched, one weight early; without Z the block casts at use
+    early = prefetch * (np.asarray(gz) > 1)
+    head_fwd = _norm_fwd(model.norm, Ts, hx, e) + lm_cast * (1 + early) + loss[0]
+    head_bwd = (loss[1] + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, e, e)
                 + _norm_bwd(model.norm, Ts, hx, e) + Work(12 * hx, 1) * later)
     # a zero fp32 [V/gy, H/gx] gradient, the masked dout, index_add_; the step's loss sum (2 kernels) lands here too
     emb_bwd = (Work(4 * V * hx + 8 * T + 20 * T * hx + T, 3) + Work((e + 4) * T * hx, 1) * half
@@ -257,14 +261,15 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
                + (Work(e * T * hx + e * S * hx + 4 * S * hx + 4 * rows * hx, 2)
                   + Work((e + 4) * S * hx, 1) * half + Work(12 * rows * hx, 1) * later) * learned)
     shift = casts[0] * early
-    if fused:
+    if execution.elementwise_kernels == "fused":
         return _fused(model, T, Ts, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
-                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift, cast)
+                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift, cast,
+                      loss)
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 
 
 def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm_cast, early, learned, later,
-           acc_lm, acc_emb, s_emb, shift, cast) -> ElementwiseWork:
+           acc_lm, acc_emb, s_emb, shift, cast, loss) -> ElementwiseWork:
     """A framework that fuses each norm, activation, rotary embedding and the loss into one kernel (its
     forward reads the inputs and writes the output once; its backward reads the inputs and the output's
     gradient and writes the input's): the same gathers, casts and gradient accumulation as the trainer."""
@@ -281,9 +286,8 @@ def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts
     # the embedding: the row lookup (and the learned positions' add); its gradient scattered in fp32
     emb_fwd = Work((4 + e) * s_emb, 1) * cast + Work(2 * e * T * hx, 1) + residual * learned
     emb_bwd = Work((e + 4) * T * hx, 1) + acc_emb + Work(4 * S * hx + e * T * hx, 1) * learned
-    # a fused cross-entropy reads the logits once forward and once backward, writing their gradient
-    head_fwd = norm_f + lm_cast * (1 + early) + Work(e * T * V, 1)
-    head_bwd = Work(2 * e * T * V, 1) + lm_cast * (1 - early) + acc_lm + norm_b + Work(12 * hx, 1) * later
+    head_fwd = norm_f + lm_cast * (1 + early) + loss[0]
+    head_bwd = loss[1] + lm_cast * (1 - early) + acc_lm + norm_b + Work(12 * hx, 1) * later
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 
 

@@ -22,6 +22,7 @@ from axoplan.yamlio import load_yaml
 
 WEIGHTS = ("fp32-cast", "low-precision-copy")
 RECOMPUTE = ("full", "op-selective")
+ELEMENTWISE_KERNELS = ("eager", "fused")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 
 
@@ -46,6 +47,14 @@ class Execution:
     overlap_param_gather: bool = False
     # the forward's tensor-parallel collectives pipelined with their own GEMMs (Megatron --tp-comm-overlap)
     tp_comm_overlap: bool = False
+    # eager: the bundled trainer's own element-wise kernels, op for op as traced (runtime/optrace.py); fused: one
+    # kernel per norm, activation, rotary embedding and the loss (Megatron's fusions, llm-foundry's), whose loss
+    # keeps no fp32 copy of the logits and whose norm backward has no fp32 temporaries
+    elementwise_kernels: str = "eager"
+    # the loss: eager (op by op over an fp32 copy of the logits: the trainer; Megatron's vocab-parallel
+    # cross-entropy without --cross-entropy-loss-fusion) or fused (one cross-entropy kernel keeping a
+    # log-sum-exp per token, as flash_attn.losses.cross_entropy)
+    loss_kernel: str = "eager"
     # what a checkpointing candidate recomputes in its backward. full: each block's whole forward from its
     # input (the trainer). op-selective: torchtitan's per-op policy, which keeps the output of every matmul
     # but every second one (counted in the block's order) and of attention, and recomputes the rest
@@ -127,26 +136,38 @@ def op_selective(model) -> SelectiveRecompute:
 
 _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
                     "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
-                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32)")
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); it fuses by default (its "
+                    "arguments only offer opt-outs: --no-bias-gelu-fusion, --no-bias-dropout-fusion, "
+                    "--no-persist-layer-norm; Transformer Engine's LayerNormLinear fuses the norm into the "
+                    "GEMM), but its vocab-parallel cross-entropy upcasts the logits to fp32 op by op (--cross-entropy-loss-fusion "
+                    "is off by default)")
 PRESETS = {
     "axoplan": AXOPLAN,
     "megatron-core": Execution(
-        "megatron-core", sequence_parallel=True, weights="low-precision-copy", optimizer_sharding="data-parallel",
-        overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
+        "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
                + _MEGATRON_FUSION),
     "megatron-lm": Execution(
-        "megatron-lm", sequence_parallel=True, weights="low-precision-copy", overlap_grad_reduce=False,
+        "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        overlap_grad_reduce=False,
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): no "
                "distributed optimizer, the data-parallel all-reduce after the backward; " + _MEGATRON_FUSION),
     "megatron-axonn": Execution(
-        "megatron-axonn", weights="low-precision-copy", overlap_grad_reduce=False, prefetch_into_recompute=False,
+        "megatron-axonn", elementwise_kernels="fused", weights="low-precision-copy", overlap_grad_reduce=False,
+        prefetch_into_recompute=False,
         source="the AxoNN paper's runs (github.com/axonn-ai/Megatron-AxoNN, branch gordon-bell-perlmutter): "
                "bf16 weights of Float16Module sharded and gathered over Z, --overlap-grad-reduce rejected, the "
                "fp32 data-parallel all-reduce after the backward, the weight prefetch restarted per recomputed layer "
                "(docs/scale.md)"),
+    "llm-foundry": Execution(
+        "llm-foundry", elementwise_kernels="fused", loss_kernel="fused",
+        source="llm-foundry's MPT runs (mosaicml/llm-foundry scripts/train/benchmarking/submit_benchmarks.py): "
+               "PyTorch FSDP FULL_SHARD over Z with fp32 shards cast before each gather, as the bundled trainer; "
+               "model.low_precision_layernorm = True (one layer_norm kernel in bf16) and the default "
+               "'fused_crossentropy' loss (flash_attn.losses.cross_entropy); GELU one kernel, no rotary (ALiBi)"),
     "torchtitan": Execution(
         "torchtitan", sequence_parallel=True, recompute="op-selective",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
@@ -162,6 +183,11 @@ def _check(e: Execution, where: str) -> Execution:
     if e.optimizer_sharding not in OPTIMIZER_SHARDING:
         raise UserError(f"{where}: optimizer_sharding must be one of {', '.join(OPTIMIZER_SHARDING)}, "
                         f"not '{e.optimizer_sharding}'")
+    if e.elementwise_kernels not in ELEMENTWISE_KERNELS:
+        raise UserError(f"{where}: elementwise_kernels must be one of {', '.join(ELEMENTWISE_KERNELS)}, "
+                        f"not '{e.elementwise_kernels}'")
+    if e.loss_kernel not in ELEMENTWISE_KERNELS:
+        raise UserError(f"{where}: loss_kernel must be one of {', '.join(ELEMENTWISE_KERNELS)}, not '{e.loss_kernel}'")
     if e.recompute not in RECOMPUTE:
         raise UserError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)}, not '{e.recompute}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":

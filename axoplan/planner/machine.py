@@ -125,14 +125,11 @@ def _kind(d, rd) -> str:
 KINDS = ("gpu", "cpu")
 
 
-def _elementwise_kernels(comp, rd) -> str:
-    kind = comp.get("elementwise_kernels", "eager") if isinstance(comp, dict) else "eager"
-    if kind not in ELEMENTWISE_KERNELS:
-        rd.fail("compute.elementwise_kernels", f"must be one of {', '.join(ELEMENTWISE_KERNELS)}, got {kind!r}")
-    return kind
-
-
-ELEMENTWISE_KERNELS = ("eager", "fused")
+def _no_framework_fields(comp, rd) -> None:
+    """Which kernels a framework runs is its execution's (planner/execution.py), not the machine's."""
+    if isinstance(comp, dict) and "elementwise_kernels" in comp:
+        rd.fail("compute.elementwise_kernels", "is the framework's, not the machine's: give it in an execution "
+                                               "(--execution, a preset or a YAML file with elementwise_kernels)")
 
 
 @dataclass(frozen=True)
@@ -168,9 +165,6 @@ class MachineProfile:
     attn_table: AttentionTable | None = None
     overlap_efficiency: float = 1.0  # share of the shorter of compute and a background collective hidden
     physics: gpu_physics.GpuPhysics = field(default_factory=gpu_physics.GpuPhysics)  # GPU-only, chosen by fields
-    # eager: the bundled trainer's own element-wise kernels (traced); fused: a framework that fuses each
-    # norm, activation, rotary and the loss into one kernel (Megatron, llm-foundry)
-    elementwise_kernels: str = "eager"
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -681,6 +675,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         rd.fail("gpus_per_node", f"must be at most {inputs.MAX_GPUS_PER_NODE}, got {gpn:g}")
     mem = rd.section(d, "memory")
     comp = rd.section(d, "compute")
+    _no_framework_fields(comp, rd)
     gemm = rd.section(comp, "gemm", "compute")
     attn = rd.section(comp, "attention", "compute")
     net = rd.section(d, "network")
@@ -775,7 +770,6 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         mem_headroom=headroom * GIB,
         mem_bandwidth=rd.num(mem, "bandwidth_gbs", "memory") * GB,
         elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
-        elementwise_kernels=_elementwise_kernels(comp, rd),
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,

@@ -109,17 +109,19 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 passes: tuple, fused: bool = False, gdata=1, execution: Execution = AXOPLAN) -> dict:
+                 passes: tuple, gdata=1, execution: Execution = AXOPLAN) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
     position parameters (the same states, unsharded). passes: the schedule's (schedule.py) forward and
-    backward (without recompute) Pass, whose windows name the moments walked, in order. fused: the framework's fused kernels (the profile's
-    compute.elementwise_kernels), whose loss keeps no fp32 copy of the logits and whose norm backward
-    writes the input gradient with no fp32 temporaries. execution: the framework's state bytes per element
-    (execution.state_bytes, over gdata D ranks) and sequence parallelism, which splits the block input, the
-    norms' inputs and the residual stream's tensors over Y by tokens."""
+    backward (without recompute) Pass, whose windows name the moments walked, in order. execution: the
+    framework's state bytes per element (execution.state_bytes, over gdata D ranks); its sequence parallelism,
+    which splits the block input, the norms' inputs and the residual stream's tensors over Y by tokens; its
+    fused kernels, whose loss keeps no fp32 copy of the logits and whose norm backward writes the input
+    gradient with no fp32 temporaries."""
     e = dtype_bytes
+    fused = execution.elementwise_kernels == "fused"
+    fused_loss = execution.loss_kernel == "fused"
     T = np.asarray(tokens, dtype=np.float64)
     L = model.n_layers
     hx = model.hidden / gx
@@ -184,7 +186,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
                   "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * qkv_l * e * 2,
                   "qkv": T * qkv_l * e + T * hx * e}
-    if fused:
+    if fused_loss:
         # a fused cross-entropy reads the logits in their dtype, saves a log-sum-exp per token and writes
         # their gradient beside them (flash_attn.losses.cross_entropy, inplace_backward off by default)
         loss_f, loss_b = T * vl * e + T * FP32, T * vl * 2 * e + T * FP32

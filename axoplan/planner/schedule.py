@@ -202,8 +202,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     lm = model.lm_head()
     head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
     attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
-    elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap,
-                                        fused=profile.elementwise_kernels == "fused", execution=ex)
+    elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap, execution=ex)
     extrapolated = np.zeros(len(c), dtype=bool)
     for layer_gemms in gemms + [head_gemms]:
         extrapolated |= layer_gemms.extrapolated
