@@ -259,3 +259,22 @@ def test_the_loss_kernel_apart_from_the_blocks():
     lm = step_moments(*args, execution=mega)["forward loss"]["logits"]
     assert lm == pytest.approx(64 * V * (e + 4))  # the logits and their fp32 copy, as the trainer's
     assert step_moments(*args, execution=both)["forward loss"]["logits"] == pytest.approx(64 * V * e + 64 * 4)
+
+
+def test_gradients_reduce_scattered_in_fp32():
+    m = tiny_model()
+    prof = load_profile("dgx-h100")
+    up = Execution(gradient_reduce="fp32")
+    s_up, _ = _sched(m, prof, (1, 1, 8, 1), up)
+    s, _ = _sched(m, prof, (1, 1, 8, 1), Execution())
+    rs = [(w.scatter[0], w0.scatter[0]) for w, w0 in zip(s_up.backward.block, s.backward.block)]
+    for a, b in rs:  # the same padded block, 4 bytes an element instead of 2
+        assert a.kind == "reduce_scatter" and float(a.nbytes[0]) == 2 * float(b.nbytes[0])
+    # each block's bf16 gradient cast up before the call ((2 + 4) bytes per padded element), none cast back
+    k, n = 64, 192
+    shard = -(-(k * n) // 8)
+    w_up, w = elementwise_work(m, 1, 1, 8, 1, 64, 2, execution=up), elementwise_work(m, 1, 1, 8, 1, 64, 2)
+    qkv = (2 + 4) * shard * 8 - (2 + 4) * shard  # the cast up replaces the reduced shard's cast back
+    assert float(w_up.block_bwd.bytes - w.block_bwd.bytes) > qkv
+    from axoplan.planner.memory import _layer
+    assert float(_layer(k * n, 8, 2, reduce_bytes=4).inflight) == (shard * 8 + shard) * 4

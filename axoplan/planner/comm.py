@@ -235,14 +235,16 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,
-                       sequence_parallel: bool = False) -> dict[str, Collective]:
+                       sequence_parallel: bool = False, reduce_bytes: int | None = None) -> dict[str, Collective]:
     """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
     all-gather of the weight block and reduce-scatter of its gradient over Z. With sequence parallelism a
     normal layer's backward gathers its token-split input over Y again (ag_input; the all-reduces become a
-    reduce-scatter and an all-gather of the same ring volume)."""
+    reduce-scatter and an all-gather of the same ring volume). reduce_bytes: the gradient reduce-scatter's
+    dtype where it is not the compute dtype."""
     ax_in, ax_out = lin.axes
     k, n = lin.local(g.size["x"], g.size["y"])
     block = padded_block(k * n, g.size["z"]) * dtype_bytes
+    grads = block / dtype_bytes * (reduce_bytes or dtype_bytes)
     extra = {}
     if sequence_parallel and not lin.transposed:
         extra["ag_input"] = _coll(profile, g, lin.name, "bwd", "all_gather", ax_out, tokens * k * dtype_bytes)
@@ -250,7 +252,7 @@ def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes
         "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * n * dtype_bytes),
         "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * k * dtype_bytes),
         "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
-        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block),
+        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", grads),
     }
 
 
@@ -293,7 +295,8 @@ def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) ->
             _coll(profile, g, name, "bwd", "all_reduce", "x", nbytes))
 
 
-def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes) -> dict[str, Collective]:
+def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes,
+                          reduce_bytes: int | None = None) -> dict[str, Collective]:
     """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
     all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
     rows, cols = model.embedding_local(g.size["x"], g.size["y"])
@@ -301,7 +304,8 @@ def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_by
     return {
         "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
         "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * cols * dtype_bytes),
-        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block),
+        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z",
+                    block / dtype_bytes * (reduce_bytes or dtype_bytes)),
     }
 
 

@@ -208,7 +208,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
 
     lins = model.block_linears()
     casts = [Work((4 + e) * shard(lin)[0], 1) * cast for lin in lins]
-    acc = sum(_accumulate(*shard(lin), gz, e, e) for lin in lins)
+    red = execution.reduce_bytes(e)  # the gradient reduce-scatter's dtype
+    acc = sum(_accumulate(*shard(lin), gz, red, e) for lin in lins)
 
     rope = model.position == "rope"
     attn_f = Work()
@@ -253,17 +254,17 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     # a prefetched gather over Z casts its shard when launched, one weight early; without Z the block casts at use
     early = prefetch * (np.asarray(gz) > 1)
     head_fwd = _norm_fwd(model.norm, Ts, hx, e) + lm_cast * (1 + early) + loss[0]
-    head_bwd = (loss[1] + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, e, e)
+    head_bwd = (loss[1] + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, red, e)
                 + _norm_bwd(model.norm, Ts, hx, e) + Work(12 * hx, 1) * later)
     # a zero fp32 [V/gy, H/gx] gradient, the masked dout, index_add_; the step's loss sum (2 kernels) lands here too
     emb_bwd = (Work(4 * V * hx + 8 * T + 20 * T * hx + T, 3) + Work((e + 4) * T * hx, 1) * half
-               + _accumulate(s_emb, nb_emb, gz, e, 4) + Work(36, 2)
+               + _accumulate(s_emb, nb_emb, gz, red, 4) + Work(36, 2)
                + (Work(e * T * hx + e * S * hx + 4 * S * hx + 4 * rows * hx, 2)
                   + Work((e + 4) * S * hx, 1) * half + Work(12 * rows * hx, 1) * later) * learned)
     shift = casts[0] * early
     if execution.elementwise_kernels == "fused":
         return _fused(model, T, Ts, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
-                      _accumulate(s_lm, nb_lm, gz, e, e), _accumulate(s_emb, nb_emb, gz, e, 4), s_emb, shift, cast,
+                      _accumulate(s_lm, nb_lm, gz, red, e), _accumulate(s_emb, nb_emb, gz, red, 4), s_emb, shift, cast,
                       loss)
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 

@@ -23,6 +23,7 @@ from axoplan.yamlio import load_yaml
 WEIGHTS = ("fp32-cast", "low-precision-copy")
 RECOMPUTE = ("full", "op-selective")
 ELEMENTWISE_KERNELS = ("eager", "fused")
+GRADIENT_REDUCE = ("compute", "fp32")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 
 
@@ -63,6 +64,9 @@ class Execution:
     # false: kept gathered from the forward to the end of their backward (FSDP SHARD_GRAD_OP / ZeRO-2, FSDP2
     # reshard_after_forward=False; AxoNN's weight caching of every layer)
     reshard_after_forward: bool = True
+    # the dtype of the Z gradient reduce-scatter: compute (the trainer's bf16) or fp32 (gradients cast up before
+    # it: FSDP2's reduce_dtype float32, torchtitan's mixed_precision_reduce default)
+    gradient_reduce: str = "compute"
     # a checkpointing block's recompute gathers its first weight ahead, during the previous block's backward;
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)
@@ -85,6 +89,10 @@ class Execution:
             shares = op_selective(model).share
             return 2 * sum(s * lin.k * lin.n for s, lin in zip(shares, model.block_linears())) * model.n_layers
         return model.flops_per_token(seq_len, recompute=True) - model.flops_per_token(seq_len, recompute=False)
+
+    def reduce_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the Z gradient reduce-scatter."""
+        return 4 if self.gradient_reduce == "fp32" else dtype_bytes
 
     def state_bytes(self, gdata):
         """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
@@ -169,9 +177,10 @@ PRESETS = {
                "model.low_precision_layernorm = True (one layer_norm kernel in bf16) and the default "
                "'fused_crossentropy' loss (flash_attn.losses.cross_entropy); GELU one kernel, no rotary (ALiBi)"),
     "torchtitan": Execution(
-        "torchtitan", sequence_parallel=True, recompute="op-selective",
+        "torchtitan", sequence_parallel=True, recompute="op-selective", gradient_reduce="fp32",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
-               "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather); its "
+               "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather, "
+               "gradients reduce-scattered in fp32: training.mixed_precision_reduce 'float32'); its "
                "default activation checkpointing, selective per op (activation_checkpoint.mode 'selective', "
                "selective_ac_option 'op')"),
 }
@@ -188,6 +197,9 @@ def _check(e: Execution, where: str) -> Execution:
                         f"not '{e.elementwise_kernels}'")
     if e.loss_kernel not in ELEMENTWISE_KERNELS:
         raise UserError(f"{where}: loss_kernel must be one of {', '.join(ELEMENTWISE_KERNELS)}, not '{e.loss_kernel}'")
+    if e.gradient_reduce not in GRADIENT_REDUCE:
+        raise UserError(f"{where}: gradient_reduce must be one of {', '.join(GRADIENT_REDUCE)}, "
+                        f"not '{e.gradient_reduce}'")
     if e.recompute not in RECOMPUTE:
         raise UserError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)}, not '{e.recompute}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":

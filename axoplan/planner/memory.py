@@ -70,7 +70,8 @@ class _Layer:
     inflight: np.ndarray
 
 
-def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False) -> _Layer:
+def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False, reduce_bytes: int | None = None
+           ) -> _Layer:
     numel = np.asarray(numel, dtype=np.float64)
     shard = shard_elems(numel, gz)
     padded = padded_block(numel, gz)
@@ -79,12 +80,13 @@ def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False)
     # no compute-dtype copy is kept (copy: the execution's low-precision weights, counted in the states)
     gathered = np.where(sharded, padded * e, numel * e if e != FP32 and not copy else 0.0)
     gb = e if grad_bytes is None else grad_bytes
+    r = e if reduce_bytes is None else reduce_bytes  # the reduce-scatter's dtype
     # sharded: the block, its padded (or cast) copy for the reduce-scatter, and the reduced shard, allocated
     # before the call is issued; gz == 1: accumulated into the fp32 gradient at once (a cast copy in half precision)
-    dw = np.where(sharded, numel * gb + np.where((padded != numel) | (gb != e), padded * e, 0.0) + shard * e,
+    dw = np.where(sharded, numel * gb + np.where((padded != numel) | (gb != r), padded * r, 0.0) + shard * r,
                   numel * gb + (numel * FP32 if gb != FP32 else 0.0))
     # in flight: the full-size block (or its padded, cast copy) and the reduced shard
-    inflight = np.where(sharded, padded * e + shard * e, 0.0)
+    inflight = np.where(sharded, padded * r + shard * r, 0.0)
     return _Layer(gathered, dw, inflight)
 
 
@@ -138,9 +140,11 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     states = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
         * execution.state_bytes(gdata)
     copy = execution.weights == "low-precision-copy"
-    qkv, out, fc1, fc2 = (_layer(b, gz, e, copy=copy) for b in block_elems)
-    lm = _layer(lm_elems, gz, e, copy=copy)
-    emb = _layer(emb_elems, gz, e, grad_bytes=FP32, copy=copy)  # the embedding's gradient is built in fp32
+    r = execution.reduce_bytes(e)
+    qkv, out, fc1, fc2 = (_layer(b, gz, e, copy=copy, reduce_bytes=r) for b in block_elems)
+    lm = _layer(lm_elems, gz, e, copy=copy, reduce_bytes=r)
+    # the embedding's gradient is built in fp32
+    emb = _layer(emb_elems, gz, e, grad_bytes=FP32, copy=copy, reduce_bytes=r)
     pre = 1.0 if prefetch else 0.0
 
     # ---- saved activations of one block (autograd's), per token, beyond the block input --------

@@ -219,9 +219,10 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # ---- collectives ---------------------------------------------------------------------------------
     g = groups
-    colls = [comm.linear_collectives(profile, g, lin, T, e, ex.sequence_parallel) for lin in lins]
-    head_colls = comm.linear_collectives(profile, g, lm, T, e)
-    emb_colls = comm.embedding_collectives(profile, g, model, T, e)
+    r = ex.reduce_bytes(e)
+    colls = [comm.linear_collectives(profile, g, lin, T, e, ex.sequence_parallel, r) for lin in lins]
+    head_colls = comm.linear_collectives(profile, g, lm, T, e, reduce_bytes=r)
+    emb_colls = comm.embedding_collectives(profile, g, model, T, e, r)
     norm_f, norm_b = comm.norm_collectives(profile, g, model, T, "norm")
     loss = list(comm.loss_collectives(profile, g, T))
 
