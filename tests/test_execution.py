@@ -180,7 +180,8 @@ def test_execution_file_and_cli(tmp_path, capsys):
     ex = load_execution(str(p))
     assert ex.name == "mine" and ex.sequence_parallel and not ex.tp_comm_overlap
     code, out, _ = run_cli(["rank", "-m", "gpt-tiny", "-p", "dgx-h100", "-g", "8", "-b", "16", "-e", str(p)], capsys)
-    assert code == 0 and "execution: mine" in out
+    assert code == 0 and "execution mine: sequence_parallel=True" in out and "elementwise_kernels=fused" in out
+    assert "tp_comm_overlap" not in out  # as the bundled trainer's: not listed
     for cmd in (["rank"], ["explain", "--grid", "1,1,1,8"], ["scale", "--gpus", "8"]):
         args = cmd + ["--model" if cmd[0] == "scale" else "-m", "gpt-tiny", "--machine", "dgx-h100",
                       "--global-batch", "16", "--execution", "nope"] + ([] if cmd[0] == "scale" else ["-g", "8"])

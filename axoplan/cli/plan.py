@@ -167,7 +167,8 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
     if no_overlap:
         parts.append("overlap (OAR/ORS/OAG) modelled as off")
     if not r.execution.bundled:
-        parts.append(f"execution: {r.execution.name} ({r.execution.source}); the bundled trainer runs only 'axoplan'")
+        parts.append(f"execution {r.execution.name}: {r.execution.differences()} (explain gives its sources); "
+                     f"the bundled trainer runs only 'axoplan'")
     _emit(_render(parts), output)
 
 

@@ -169,7 +169,7 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
         title = f"{df['model'].iloc[0]} on {df.attrs['machine']}, batch {global_batch}"
     text = render(df, fmt)
     if fmt == "table" and not kw["execution"].bundled:
-        text += f"execution: {kw['execution'].name} ({kw['execution'].source})\n"
+        text += f"execution {kw['execution'].name}: {kw['execution'].differences()}\n"
     if output:
         atomic_write_text(output, text)
     else:

@@ -78,6 +78,11 @@ class Execution:
         """The bundled trainer runs exactly this execution."""
         return dataclasses.replace(self, name="axoplan", source=AXOPLAN.source) == AXOPLAN
 
+    def differences(self) -> str:
+        """The fields where this execution is not the bundled trainer's, as `field=value` (for notes)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                         if f.name not in ("name", "source") and getattr(self, f.name) != getattr(AXOPLAN, f.name))
+
     def sequence_split(self, gy):
         """Over how many ranks a token-wise tensor between the Y-split GEMMs is split (1 without SP)."""
         return np.asarray(gy) if self.sequence_parallel else 1
