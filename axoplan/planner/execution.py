@@ -191,22 +191,14 @@ PRESETS = {
 }
 
 
+CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
+           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE}
+
+
 def _check(e: Execution, where: str) -> Execution:
-    if e.weights not in WEIGHTS:
-        raise UserError(f"{where}: weights must be one of {', '.join(WEIGHTS)}, not '{e.weights}'")
-    if e.optimizer_sharding not in OPTIMIZER_SHARDING:
-        raise UserError(f"{where}: optimizer_sharding must be one of {', '.join(OPTIMIZER_SHARDING)}, "
-                        f"not '{e.optimizer_sharding}'")
-    if e.elementwise_kernels not in ELEMENTWISE_KERNELS:
-        raise UserError(f"{where}: elementwise_kernels must be one of {', '.join(ELEMENTWISE_KERNELS)}, "
-                        f"not '{e.elementwise_kernels}'")
-    if e.loss_kernel not in ELEMENTWISE_KERNELS:
-        raise UserError(f"{where}: loss_kernel must be one of {', '.join(ELEMENTWISE_KERNELS)}, not '{e.loss_kernel}'")
-    if e.gradient_reduce not in GRADIENT_REDUCE:
-        raise UserError(f"{where}: gradient_reduce must be one of {', '.join(GRADIENT_REDUCE)}, "
-                        f"not '{e.gradient_reduce}'")
-    if e.recompute not in RECOMPUTE:
-        raise UserError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)}, not '{e.recompute}'")
+    for name, allowed in CHOICES.items():
+        if getattr(e, name) not in allowed:
+            raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not '{getattr(e, name)}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e
