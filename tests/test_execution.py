@@ -4,6 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import one_sentence, run_cli, tiny_model
 
 from axoplan.errors import UserError
@@ -279,3 +281,28 @@ def test_gradients_reduce_scattered_in_fp32():
     assert float(w_up.block_bwd.bytes - w.block_bwd.bytes) > qkv
     from axoplan.planner.memory import _layer
     assert float(_layer(k * n, 8, 2, reduce_bytes=4).inflight) == (shard * 8 + shard) * 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(PRESETS)), st.sampled_from([8, 16, 32]), st.sampled_from([16, 64]),
+       st.sampled_from(["dgx-h100", "perlmutter", "frontier"]))
+def test_every_execution_plans_every_grid(name, gpus, batch, machine):
+    """Every preset on every grid: positive finite times and memory, the bundled trainer's FLOP except what its
+    recompute adds, and each mechanism in its direction (a sharded optimizer never needs more memory)."""
+    m = tiny_model(n_layers=2, n_kv_heads=4)
+    ex = PRESETS[name]
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.space import enumerate_space
+
+    c = enumerate_space(gpus, batch, checkpointing="both")
+    job = Job(gpus, batch, m.seq_len)
+    prof = load_profile(machine)
+    ev, base = evaluate(m, prof, job, c, execution=ex), evaluate(m, prof, job, c)
+    ok = np.isfinite(ev.batch_time) & (ev.memory.total > 0)
+    assert ok.all() and (ev.batch_time > 0).all() and (ev.compute > 0).all()
+    once = ~c.checkpointing
+    np.testing.assert_allclose(ev.flops_per_gpu[once], base.flops_per_gpu[once])
+    if ex.optimizer_sharding == "data-parallel":
+        unsharded = evaluate(m, prof, job, c, execution=dataclasses.replace(ex, optimizer_sharding="none",
+                                                                             overlap_param_gather=False))
+        assert (ev.memory.total <= unsharded.memory.total * (1 + 1e-12)).all()
