@@ -150,7 +150,7 @@ def main():
                     help="passes over the candidates, round robin (each candidate's time: the median of its runs)")
     ap.add_argument("--checkpointing", default="off", choices=["both", "on", "off"])
     ap.add_argument("--params", default="auto", help="corrections to refit (comma-separated) or auto")
-    ap.add_argument("--out", default="ranking-fidelity-out")
+    ap.add_argument("--out", default="out/ranking-fidelity", help="run folder (default under out/, which git ignores)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--rescore", action="store_true", help="no runs: score the recorded ones with the current planner")
     args = ap.parse_args()
