@@ -184,6 +184,11 @@ def test_execution_file_and_cli(tmp_path, capsys):
     code, out, _ = run_cli(["rank", "-m", "gpt-tiny", "-p", "dgx-h100", "-g", "8", "-b", "16", "-e", str(p)], capsys)
     assert code == 0 and "execution mine: sequence_parallel=True" in out and "elementwise_kernels=fused" in out
     assert "tp_comm_overlap" not in out  # as the bundled trainer's: not listed
+    code, out, _ = run_cli(["explain", "-m", "gpt-tiny", "-p", "dgx-h100", "-g", "8", "-b", "16", "--grid", "1,2,1,4",
+                            "-e", "torchtitan", "--format", "json"], capsys)
+    import json
+    got = json.loads(out)["execution"]
+    assert code == 0 and got["name"] == "torchtitan" and got["recompute"] == "op-selective"
     for cmd in (["rank"], ["explain", "--grid", "1,1,1,8"], ["scale", "--gpus", "8"]):
         args = cmd + ["--model" if cmd[0] == "scale" else "-m", "gpt-tiny", "--machine", "dgx-h100",
                       "--global-batch", "16", "--execution", "nope"] + ([] if cmd[0] == "scale" else ["-g", "8"])

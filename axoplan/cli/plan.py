@@ -1,6 +1,7 @@
 """`axoplan models | profiles | rank | explain`: the planner's commands (no torch)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 
@@ -213,7 +214,8 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
         out = {"summary": json.loads(ex.summary[COLUMNS].to_json(orient="records"))[0],
                "collectives": json.loads(ex.collectives.to_json(orient="records")),
                "windows": json.loads(ex.windows.to_json(orient="records")),
-               "memory": json.loads(ex.memory.to_json(orient="records")), "notes": ex.notes}
+               "memory": json.loads(ex.memory.to_json(orient="records")), "notes": ex.notes,
+               "execution": dataclasses.asdict(ex.execution)}
         _emit(json.dumps(out, indent=1) + "\n", output)
         return
     parts = [_table(ex.summary, "configuration")]

@@ -166,6 +166,7 @@ class Explanation:
     windows: pd.DataFrame  # per layer window: compute, window time, exposed communication
     memory: pd.DataFrame  # per memory kind, GiB
     notes: list
+    execution: Execution = AXOPLAN  # how the framework runs the step
 
 
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
@@ -229,4 +230,4 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         notes.append("some GEMM shapes fall outside the profile's measured table: their time is extrapolated")
     if not bool(ev1.feasible[0]):
         notes.append("this configuration is NOT feasible: " + summary["reason"][0])
-    return Explanation(summary, colls, windows, memory, notes)
+    return Explanation(summary, colls, windows, memory, notes, ex)
