@@ -25,6 +25,7 @@ def test_state_bytes_by_hand():
     # Megatron: bf16 weight, fp32 gradient; fp32 master and two moments split over D
     assert PRESETS["megatron-core"].state_bytes(4) == pytest.approx(2 + 4 + 12 / 4)
     assert PRESETS["megatron-lm"].state_bytes(4) == 2 + 4 + 12
+    assert PRESETS["megatron-lm"].state_bytes(4, dtype_bytes=4) == 16  # in fp32 the copy is the master itself
     assert AXOPLAN.bundled and not PRESETS["megatron-core"].bundled
 
 

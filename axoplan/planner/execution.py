@@ -99,14 +99,14 @@ class Execution:
         """Bytes per element of the Z gradient reduce-scatter."""
         return 4 if self.gradient_reduce == "fp32" else dtype_bytes
 
-    def state_bytes(self, gdata):
+    def state_bytes(self, gdata, dtype_bytes: int = 2):
         """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
         compute-dtype copy), the fp32 gradient, and the optimizer's fp32 states (AdamW's two moments, and the
-        fp32 master where the weight is a copy), split over D with optimizer sharding."""
-        low = self.weights == "low-precision-copy"
-        optimizer = 8 + (4 if low else 0)
+        fp32 master where the weight is a half-precision copy), split over D with optimizer sharding."""
+        copy = self.weights == "low-precision-copy" and dtype_bytes != 4
+        optimizer = 8 + (4 if copy else 0)
         split = np.asarray(gdata, dtype=np.float64) if self.optimizer_sharding == "data-parallel" else 1.0
-        return (2 if low else 4) + 4 + optimizer / split
+        return (dtype_bytes if copy else 4) + 4 + optimizer / split
 
 
 AXOPLAN = Execution()

@@ -138,7 +138,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     Ts = T / execution.sequence_split(gy)  # tokens of the residual stream's tensors on this rank
 
     states = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
-        * execution.state_bytes(gdata)
+        * execution.state_bytes(gdata, e)
     copy = execution.weights == "low-precision-copy"
     r = execution.reduce_bytes(e)
     qkv, out, fc1, fc2 = (_layer(b, gz, e, copy=copy, reduce_bytes=r) for b in block_elems)
