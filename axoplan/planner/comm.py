@@ -243,16 +243,15 @@ def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes
     dtype where it is not the compute dtype."""
     ax_in, ax_out = lin.axes
     k, n = lin.local(g.size["x"], g.size["y"])
-    block = padded_block(k * n, g.size["z"]) * dtype_bytes
-    grads = block / dtype_bytes * (reduce_bytes or dtype_bytes)
+    block = padded_block(k * n, g.size["z"])
     extra = {}
     if sequence_parallel and not lin.transposed:
         extra["ag_input"] = _coll(profile, g, lin.name, "bwd", "all_gather", ax_out, tokens * k * dtype_bytes)
     return {**extra,
         "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * n * dtype_bytes),
         "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * k * dtype_bytes),
-        "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block),
-        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", grads),
+        "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block * dtype_bytes),
+        "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block * (reduce_bytes or dtype_bytes)),
     }
 
 
@@ -300,12 +299,11 @@ def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_by
     """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
     all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
     rows, cols = model.embedding_local(g.size["x"], g.size["y"])
-    block = padded_block(rows * cols, g.size["z"]) * dtype_bytes
+    block = padded_block(rows * cols, g.size["z"])
     return {
-        "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block),
+        "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block * dtype_bytes),
         "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * cols * dtype_bytes),
-        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z",
-                    block / dtype_bytes * (reduce_bytes or dtype_bytes)),
+        "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block * (reduce_bytes or dtype_bytes)),
     }
 
 

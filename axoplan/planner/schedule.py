@@ -14,6 +14,7 @@ the tests compare it with this schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -281,12 +282,11 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     else:
         recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     if not ex.reshard_after_forward:  # the weights stay gathered from the forward: the recompute gathers nothing
-        recompute = [Window(w.name, {k: v for k, v in w.compute.items() if k != "weight cast"}, w.blocking, w.beside,
-                            [], w.scatter, w.moments) for w in recompute]
+        recompute = [dataclasses.replace(w, compute={k: v for k, v in w.compute.items() if k != "weight cast"},
+                                         gather=[], _compute=None) for w in recompute]
     elif not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
         first = recompute[0]
-        recompute[0] = Window(first.name, first.compute, first.gather + first.blocking, first.beside, [],
-                              first.scatter, first.moments)
+        recompute[0] = dataclasses.replace(first, blocking=first.gather + first.blocking, gather=[])
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
