@@ -164,6 +164,7 @@ def test_the_bundled_execution_is_the_default():
     ("foo: 1\n", "unknown field 'foo'"),
     ("weights: fp16\n", "weights must be one of"),
     ("recompute: some\n", "recompute must be one of"),
+    ("attention: sdpa\n", "attention must be one of flash, unfused"),
     ("loss_kernel: triton\n", "loss_kernel must be one of"),
     ("elementwise_kernels: jit\n", "elementwise_kernels must be one of"),
     ("base: deepspeed\n", "is not a preset"),
@@ -312,3 +313,73 @@ def test_every_execution_plans_every_grid(name, gpus, batch, machine):
         unsharded = evaluate(m, prof, job, c, execution=dataclasses.replace(ex, optimizer_sharding="none",
                                                                              overlap_param_gather=False))
         assert (ev.memory.total <= unsharded.memory.total * (1 + 1e-12)).all()
+
+
+def _round_profile():
+    """dgx-a100 with round numbers: GEMMs at 1 TFLOP/s whatever their shape, memory at 1 TB/s, element-wise
+    kernels at half of it, launches free."""
+    return load_profile("dgx-a100").replace(gemm_ceiling=1e12, gemm_dim_half=1e-6, mem_bandwidth=1e12,
+                                            elementwise_efficiency=0.5, kernel_overhead=0.0)
+
+
+def test_unfused_attention_by_hand():
+    from axoplan.planner.compute import unfused_attention
+    m = tiny_model()  # 8 heads of 8
+    prof = _round_profile()
+    # gy 2: 4 local heads, micro-batch 2: 8 [64, 64] score matrices, N = 8 * 64 * 64 elements in bf16
+    N = 8 * 64 * 64
+    product = 2 * 64 * 64 * 8 / 1e12  # each [64, 8] x [8, 64] or [64, 64] x [64, 8] product
+    a = unfused_attention(prof, m, 2, 2, 64, 2, dropout=True)
+    # forward: Q K^T and P V for 8 (batch, head) pairs; softmax reads and writes N (2 + 2 bytes), dropout reads N
+    # and writes its output and a one-byte mask (2 + 2 + 1)
+    assert float(a.fwd) == pytest.approx(2 * 8 * product + (4 + 5) * N / 0.5e12, rel=1e-6)
+    # backward: four products; softmax reads its output and the gradient and writes one (6), dropout 5
+    assert float(a.bwd) == pytest.approx(4 * 8 * product + (6 + 5) * N / 0.5e12, rel=1e-6)
+    b = unfused_attention(prof, m, 2, 2, 64, 2, dropout=False)
+    assert float(a.fwd - b.fwd) == pytest.approx(5 * N / 0.5e12) and float(b.fwd_work.kernels) == 1
+
+
+def test_unfused_attention_keeps_its_probabilities():
+    """Korthikanti et al.'s 5as/h term: per token and head, the softmax output over S keys (2 bytes), the dropout
+    mask (1) and output (2), where FlashAttention keeps one fp32 log-sum-exp."""
+    from axoplan.planner.memory import step_moments
+    m = tiny_model()
+    prof = load_profile("dgx-a100")
+    unfused = Execution(attention="unfused", attention_dropout=True)
+    s, _ = _sched(m, prof, (1, 1, 1, 1), unfused)
+    args = (m, 1, 1, 1, 64.0, False, 1000.0, 0.0, [64 * 192, 64 * 64, 64 * 256, 256 * 64], 64 * 256, 256 * 64, 2,
+            True, 2, (s.forward, s.backward))
+    flash = step_moments(*args)
+    core = step_moments(*args, execution=unfused)
+    first = [k for k in flash if k.startswith("backward last block")][0]
+    T, heads, S = 64, 8, 64
+    # both blocks' saved activations are live when the backward reaches the last block
+    assert core[first]["activations"] - flash[first]["activations"] == pytest.approx(2 * T * heads * (5 * S - 4))
+    # the attention core recomputed (Megatron's selective recompute): every block keeps all but its core, the
+    # last one too until its backward reaches the core
+    sel = Execution(attention="unfused", attention_dropout=True, recompute="attention-core")
+    ck = step_moments(*args[:5], True, *args[6:], execution=sel)
+    assert core[first]["activations"] - ck[first]["activations"] == pytest.approx(2 * T * heads * 5 * S)
+    # its backward holds the recomputed probabilities beside two [S, S] gradients
+    att = [k for k in ck if k.startswith("backward last block attention")][0]
+    assert ck[att]["transients"] - core[att]["transients"] == pytest.approx(T * heads * 5 * S)
+
+
+def test_attention_core_recompute_windows():
+    m = tiny_model()
+    prof = load_profile("dgx-a100")
+    sel = Execution(attention="unfused", recompute="attention-core")
+    s, _ = _sched(m, prof, (1, 2, 4, 1), sel, ck=True)
+    names = [w.name for w in s.backward_recompute.block]
+    assert names == ["fc2", "fc1", "attn_out", "attention (recompute)", "qkv"]
+    core = s.backward_recompute.block[3]
+    assert list(core.compute) == ["attention"] and not core.collectives()
+    assert core.compute["attention"] is s.forward.block[0].compute["attention"]
+    # nothing else is recomputed: each backward window gathers its own weight, as without checkpointing
+    assert [w.gather for w in s.backward_recompute.block if w is not core] == [w.gather for w in s.backward.block]
+    # the FLOP accounting counts Q K^T and P V again, 2 x 2 x S x hidden per token per layer
+    assert sel.recomputed_flops_per_token(m, 64) == 4 * 64 * 64 * 2
+    t = {r: float(explain(m, prof, 8, 16, grid=(1, 2, 4, 1), micro_batch=1, checkpointing=True,
+                          execution=dataclasses.replace(sel, recompute=r)).summary.batch_time_s.iloc[0])
+         for r in ("attention-core", "full")}
+    assert t["attention-core"] < t["full"]

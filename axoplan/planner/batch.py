@@ -84,7 +84,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                  pick(sched.params.lm_head), pick(sched.params.embedding), e, prefetch=overlap,
                  max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
                  passes=(sched.forward, sched.backward),
-                 gdata=pick(c.gdata), execution=execution,
+                 gdata=pick(c.gdata), execution=execution, seq_len=S,
                  breakdown=explain)
     mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom

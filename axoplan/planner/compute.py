@@ -64,6 +64,43 @@ def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch
     return fwd, bwd
 
 
+@dataclass
+class UnfusedAttention:
+    """The attention core as batched GEMMs and element-wise kernels over the [batch x heads, S, S] scores
+    (Execution.attention 'unfused'), per micro-batch: forward and backward seconds, their element-wise
+    bytes and launches."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    fwd_work: Work
+    bwd_work: Work
+
+
+def _batched_gemm(profile: MachineProfile, batch, m, n, k) -> np.ndarray:
+    """One strided-batched GEMM call of `batch` products C[m,n] = A[m,k] B[k,n]: each product's time
+    (the best layout) once per product, one launch for the call."""
+    t, _ = profile.gemm_seconds(m, n, k, None)
+    return batch * (t - profile.launch_cost) + profile.launch_cost
+
+
+def unfused_attention(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len: int, dtype_bytes: int,
+                      dropout: bool) -> UnfusedAttention:
+    """Megatron's CoreAttention before FlashAttention over the local heads: forward Q K^T ([S, d] x [d, S] per
+    batch and head), one scale-mask-softmax kernel (reads and writes the scores), dropout (reads them,
+    writes its output and a one-byte mask), then P V ([S, S] x [S, d]); backward dP = dO V^T and dV = P^T dO,
+    the dropout's and the softmax's backward, dQ = dS K and dK = dS^T Q. The whole S x S is computed (the
+    causal mask is applied, not skipped)."""
+    B = np.asarray(micro_batch, dtype=np.float64) * (model.n_heads // np.asarray(gy))
+    S, d, e = float(seq_len), float(model.head_dim), dtype_bytes
+    scores = B * S * S  # elements of one [batch x heads, S, S] tensor
+    qk = _batched_gemm(profile, B, S, S, d)  # Q K^T, and dP = dO V^T (the same shape)
+    pv = _batched_gemm(profile, B, S, d, S)  # P V, and dV, dQ, dK (each [S, d] from a k = S product)
+    fwd_work = Work(2 * e * scores, 1) + Work((2 * e + 1) * scores, 1) * dropout
+    bwd_work = Work(3 * e * scores, 1) + Work((2 * e + 1) * scores, 1) * dropout
+    return UnfusedAttention(qk + pv + fwd_work.seconds(profile), qk + 3 * pv + bwd_work.seconds(profile),
+                            fwd_work, bwd_work)
+
+
 def elementwise_seconds(profile: MachineProfile, nbytes) -> np.ndarray:
     bw = profile.mem_bandwidth * profile.elementwise_efficiency * profile.corrections.elementwise_scale
     return np.asarray(nbytes, dtype=np.float64) / bw

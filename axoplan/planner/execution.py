@@ -21,7 +21,8 @@ from axoplan.runconfig import Overlap
 from axoplan.yamlio import load_yaml
 
 WEIGHTS = ("fp32-cast", "low-precision-copy")
-RECOMPUTE = ("full", "op-selective")
+RECOMPUTE = ("full", "op-selective", "attention-core")
+ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
@@ -58,8 +59,19 @@ class Execution:
     loss_kernel: str = "eager"
     # what a checkpointing candidate recomputes in its backward. full: each block's whole forward from its
     # input (the trainer). op-selective: torchtitan's per-op policy, which keeps the output of every matmul
-    # but every second one (counted in the block's order) and of attention, and recomputes the rest
+    # but every second one (counted in the block's order) and of attention, and recomputes the rest.
+    # attention-core: Korthikanti et al.'s selective recomputation (Megatron --recompute-granularity selective):
+    # everything kept but the attention core's [heads, S, S] tensors, recomputed before its backward
     recompute: str = "full"
+    # the attention core. flash: one kernel that keeps no [S, S] tensor (FlashAttention, the trainer's SDPA);
+    # unfused: Megatron's CoreAttention before FlashAttention: a batched QK^T GEMM, one fused scale-mask-softmax
+    # kernel, the probabilities times V as a second batched GEMM, all over the whole S x S (no causal skip),
+    # the probabilities kept for the backward
+    attention: str = "flash"
+    # unfused attention only: dropout on the probabilities as a kernel of its own, its mask (one byte per score)
+    # and output kept for the backward (Megatron's --attention-dropout, default 0.1); inside a flash kernel it
+    # costs nothing the model counts
+    attention_dropout: bool = False
     # the Z-gathered weights freed after their forward and gathered again for the backward (and its recompute);
     # false: kept gathered from the forward to the end of their backward (FSDP SHARD_GRAD_OP / ZeRO-2, FSDP2
     # reshard_after_forward=False; AxoNN's weight caching of every layer)
@@ -93,6 +105,8 @@ class Execution:
         if self.recompute == "op-selective":
             shares = op_selective(model).share
             return 2 * sum(s * lin.k * lin.n for s, lin in zip(shares, model.block_linears())) * model.n_layers
+        if self.recompute == "attention-core":  # QK^T and the probabilities times V, as flops_per_token counts them
+            return 4.0 * seq_len * model.hidden * model.n_layers
         return model.flops_per_token(seq_len, recompute=True) - model.flops_per_token(seq_len, recompute=False)
 
     def reduce_bytes(self, dtype_bytes: int) -> int:
@@ -165,8 +179,11 @@ PRESETS = {
                + _MEGATRON_FUSION),
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
-        overlap_grad_reduce=False,
-        source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): no "
+        overlap_grad_reduce=False, recompute="attention-core", attention="unfused", attention_dropout=True,
+        source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
+               "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
+               "before FlashAttention (baddbmm, FusedScaleMaskSoftmax, attention dropout 0.1, bmm; their "
+               "activation memory's 5as/h term is its softmax output, dropout mask and dropout output), no "
                "distributed optimizer, the data-parallel all-reduce after the backward; " + _MEGATRON_FUSION),
     "megatron-axonn": Execution(
         "megatron-axonn", elementwise_kernels="fused", weights="low-precision-copy", overlap_grad_reduce=False,
@@ -192,7 +209,8 @@ PRESETS = {
 
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
-           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE}
+           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
+           "attention": ATTENTION}
 
 
 def _check(e: Execution, where: str) -> Execution:

@@ -111,7 +111,7 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 passes: tuple, gdata=1, execution: Execution = AXOPLAN) -> dict:
+                 passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
@@ -120,7 +120,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     framework's state bytes per element (execution.state_bytes, over gdata D ranks); its sequence parallelism,
     which splits the block input, the norms' inputs and the residual stream's tensors over Y by tokens; its
     fused kernels, whose loss keeps no fp32 copy of the logits and whose norm backward writes the input
-    gradient with no fp32 temporaries."""
+    gradient with no fp32 temporaries; its attention core (unfused: probabilities over seq_len keys, the model's
+    context unless given) and its attention-core recompute."""
     e = dtype_bytes
     fused = execution.elementwise_kernels == "fused"
     fused_loss = execution.loss_kernel == "fused"
@@ -152,15 +153,25 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     rope = (qh + kvh) * e if model.position == "rope" else 0.0  # rotated copies of q and k
     act_out = (2 * ffn if model.mlp == "swiglu" else ffn) * e  # the activation's output(s) fc2 reads
     sp = Ts / T  # the token share of what sequence parallelism splits
+    # what the attention core keeps beyond q, k, v and its output, per token: FlashAttention a log-sum-exp per
+    # head; unfused the softmax's probabilities over S keys per head (and the dropout's mask and output)
+    unfused = execution.attention == "unfused"
+    S = model.seq_len if seq_len is None else seq_len
+    core = heads * S * (e + (1 + e) * execution.attention_dropout) if unfused else heads * FP32
     saved = {  # freed in this order by the backward: fc2's input, fc1's output, fc1's input, ...
         "act": act_out, "fc1": f1 * e, "h2": (hx * e + stats / 2) * sp, "x1": hx * e * sp,
-        "sdpa": (qh + 2 * kvh) * e + rope + qh * e + heads * FP32, "h1": (hx * e + stats / 2) * sp,
+        "sdpa": (qh + 2 * kvh) * e + rope + qh * e + core, "h1": (hx * e + stats / 2) * sp,
     }
+    attention_core = execution.recompute == "attention-core"
+    if attention_core:  # a checkpointing block keeps all but the core's own tensors, remade before its backward
+        saved["sdpa"] = np.where(ck, saved["sdpa"] - core, saved["sdpa"])
     block_saved = T * sum(saved.values())
     x_in = Ts * hx * e  # one block's input (kept per block under checkpointing)
     # under op-selective recompute each checkpointed block keeps its policy's matmul outputs and attention's
     selected = 0.0
-    if execution.recompute == "op-selective":
+    if attention_core:
+        selected = block_saved
+    elif execution.recompute == "op-selective":
         sel = op_selective(model)
         selected = T * ((sel.kept_split / gy + qh) * e + heads * FP32) + Ts * sel.kept_full * e
     # all blocks but the last, as the backward finds them when it reaches the last block
@@ -188,7 +199,9 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
     qkv_l = qh + 2 * kvh
     transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
-                  "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * qkv_l * e * 2,
+                  "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e,
+                  # q, k, v's gradients; unfused, two [S, S] gradients at a time, and the recomputed core
+                  "attention": T * (qkv_l * e * 2 + 2 * e * heads * S * unfused + np.where(ck, core, 0.0) * attention_core),
                   "qkv": T * qkv_l * e + T * hx * e}
     if fused_loss:
         # a fused cross-entropy reads the logits in their dtype, saves a log-sum-exp per token and writes
@@ -240,7 +253,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
          {"head input": Ts * hx * e}, False, cache(L, True))
 
     # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
-    recomputed_out = np.where(ck, x_in, 0.0)  # the recompute's block output, held until its backward ends
+    # the recompute's block output, held until its backward ends (none when only the core is recomputed)
+    recomputed_out = np.where(ck, x_in, 0.0) * (not attention_core)
     one_block = np.where(ck, x_in + selected, x_in + block_saved)
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
         walk(backward.block, f"backward {label} ",

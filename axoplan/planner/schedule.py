@@ -202,7 +202,12 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     gemms = [work.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
     lm = model.lm_head()
     head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
-    attn_f, attn_b = work.attention_seconds(profile, model, gy, mb, S)
+    if ex.attention == "unfused":  # batched GEMMs and softmax kernels over the [S, S] scores
+        ua = work.unfused_attention(profile, model, gy, mb, S, e, ex.attention_dropout)
+        attn_f = Op("attention", ua.fwd, bytes=ua.fwd_work.bytes, kernels=ua.fwd_work.kernels + 2)
+        attn_b = Op("attention", ua.bwd, bytes=ua.bwd_work.bytes, kernels=ua.bwd_work.kernels + 4)
+    else:
+        attn_f, attn_b = (Op("attention", t) for t in work.attention_seconds(profile, model, gy, mb, S))
     elementwise = work.elementwise_work(model, gx, gy, gz, mb, S, e, grad_acc, prefetch=overlap, execution=ex)
     extrapolated = np.zeros(len(c), dtype=bool)
     for layer_gemms in gemms + [head_gemms]:
@@ -229,7 +234,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # forward windows of one block: norm1+qkv+attention, attn_out+residual, norm2+fc1+act, fc2+residual;
     # the block's element-wise work is split between the two norm windows, as the trainer's order has it
-    attention_f = [{"attention": Op("attention", attn_f), "element-wise": elem(elementwise.block_fwd, 0.5)}, {},
+    attention_f = [{"attention": attn_f, "element-wise": elem(elementwise.block_fwd, 0.5)}, {},
                    {"element-wise": elem(elementwise.block_fwd, 0.5)}, {}]
     norms = [True, False, True, False]
 
@@ -247,7 +252,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     lm_f = Window("lm_head", {"gemm fwd": gemm(head_gemms, "fwd"), "element-wise": elem(elementwise.head_fwd)},
                   [head_colls["ar_fwd"], norm_f] + loss, gather=[head_colls["ag"]], moments=HEAD_FORWARD_MOMENTS)
 
-    attention_b = [{"attention": Op("attention", attn_b), "element-wise": elem(elementwise.block_bwd, 0.5)}, {},
+    attention_b = [{"attention": attn_b, "element-wise": elem(elementwise.block_bwd, 0.5)}, {},
                    {"element-wise": elem(elementwise.block_bwd, 0.5)}, {}]
 
     def bwd_window(i, with_gather):
@@ -279,15 +284,19 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     plain = [bwd_window(i, ex.reshard_after_forward) for i in reversed(range(4))]
     if ex.recompute == "op-selective":
         recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
+    elif ex.recompute == "attention-core":
+        recompute = []  # the core alone, recomputed where its backward starts (below)
     else:
         recompute = [fwd_window(i, " (recompute)") for i in range(4)]
     if not ex.reshard_after_forward:  # the weights stay gathered from the forward: the recompute gathers nothing
         recompute = [dataclasses.replace(w, compute={k: v for k, v in w.compute.items() if k != "weight cast"},
                                          gather=[], _compute=None) for w in recompute]
-    elif not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
+    elif not ex.prefetch_into_recompute and recompute:  # the block's first gather issued by its own recompute, waited for
         first = recompute[0]
         recompute[0] = dataclasses.replace(first, blocking=first.gather + first.blocking, gather=[])
     ckpt = [bwd_window(i, False) for i in reversed(range(4))]
+    if ex.recompute == "attention-core":  # every weight gathered as without recompute; the core's forward again
+        ckpt = plain[:3] + [Window("attention (recompute)", {"attention": attn_f})] + plain[3:]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
     params = comm.parameter_shards(model, gx, gy, gz)
