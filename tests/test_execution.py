@@ -345,7 +345,7 @@ def test_unfused_attention_keeps_its_probabilities():
     from axoplan.planner.memory import step_moments
     m = tiny_model()
     prof = load_profile("dgx-a100")
-    unfused = Execution(attention="unfused", attention_dropout=True)
+    unfused = Execution(attention="unfused", dropout=True)
     s, _ = _sched(m, prof, (1, 1, 1, 1), unfused)
     args = (m, 1, 1, 1, 64.0, False, 1000.0, 0.0, [64 * 192, 64 * 64, 64 * 256, 256 * 64], 64 * 256, 256 * 64, 2,
             True, 2, (s.forward, s.backward))
@@ -353,11 +353,13 @@ def test_unfused_attention_keeps_its_probabilities():
     core = step_moments(*args, execution=unfused)
     first = [k for k in flash if k.startswith("backward last block")][0]
     T, heads, S = 64, 8, 64
-    # both blocks' saved activations are live when the backward reaches the last block
-    assert core[first]["activations"] - flash[first]["activations"] == pytest.approx(2 * T * heads * (5 * S - 4))
+    # both blocks' saved activations are live when the backward reaches the last block, with the dropout masks
+    # of their attention and MLP outputs (a byte per element of [T, 64])
+    assert core[first]["activations"] - flash[first]["activations"] == pytest.approx(
+        2 * T * heads * (5 * S - 4) + 2 * 2 * T * 64)
     # the attention core recomputed (Megatron's selective recompute): every block keeps all but its core, the
     # last one too until its backward reaches the core
-    sel = Execution(attention="unfused", attention_dropout=True, recompute="attention-core")
+    sel = Execution(attention="unfused", dropout=True, recompute="attention-core")
     ck = step_moments(*args[:5], True, *args[6:], execution=sel)
     assert core[first]["activations"] - ck[first]["activations"] == pytest.approx(2 * T * heads * 5 * S)
     # its backward holds the recomputed probabilities beside two [S, S] gradients
@@ -383,3 +385,37 @@ def test_attention_core_recompute_windows():
                           execution=dataclasses.replace(sel, recompute=r)).summary.batch_time_s.iloc[0])
          for r in ("attention-core", "full")}
     assert t["attention-core"] < t["full"]
+
+
+@pytest.mark.parametrize("sp,ck,terms", [
+    (False, False, "10 + 24/t + 5as/(ht)"), (True, False, "34/t + 5as/(ht)"),
+    (False, True, "10 + 24/t"), (True, True, "34/t"),
+])
+def test_activations_match_korthikanti_equations(sp, ck, terms):
+    """Korthikanti et al. 2022 (arXiv 2205.05198, Sec. 4), activations per layer with tensor parallelism t:
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes; sequence parallelism splits the 10 over t too; selective recompute
+    drops the 5*a*s/(h*t) term. Their GPT-22B (t = 8, b = 4) as Megatron-LM ran it: every layer's at the peak,
+    within 2% (the walk also holds fp32 norm statistics and the transients of the layer in its backward)."""
+    m = tiny_model(name="gpt-22b", n_layers=48, hidden=6144, n_heads=64, vocab=51200, seq_len=2048)
+    s, b, h, a, t, L = 2048, 4, 6144, 64, 8, 48
+    core = 5 * a * s / (h * t)
+    per_layer = {"10 + 24/t + 5as/(ht)": 10 + 24 / t + core, "34/t + 5as/(ht)": 34 / t + core,
+                 "10 + 24/t": 10 + 24 / t, "34/t": 34 / t}[terms]
+    ex = dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=sp)
+    e = explain(m, load_profile("dgx-a100"), 8, 4, grid=(1, 8, 1, 1), seq_len=s, micro_batch=b, checkpointing=ck,
+                execution=ex)
+    act = float(e.memory.set_index("kind").gib["activations"]) * 2 ** 30
+    assert act == pytest.approx(s * b * h * per_layer * L, rel=0.02)
+
+
+def test_hidden_dropout_work_by_hand():
+    m = tiny_model()
+    T, hx, e = 2 * 64, 64, 2
+    for base, extra, kernels in ((FUSED, T * hx, 0), (AXOPLAN, (2 * e + 1) * T * hx, 1)):
+        off = elementwise_work(m, 1, 1, 1, 2, 64, e, execution=base)
+        on = elementwise_work(m, 1, 1, 1, 2, 64, e, execution=dataclasses.replace(base, dropout=True))
+        # two residual adds per block, each with its dropout: in the bias-dropout-add a mask written (fused), or a
+        # kernel of its own writing the output and the mask (eager); the backward reads them back
+        assert float(on.block_fwd.bytes - off.block_fwd.bytes) == pytest.approx(2 * extra)
+        assert float(on.block_bwd.bytes - off.block_bwd.bytes) == pytest.approx(2 * extra)
+        assert float(on.block_fwd.kernels - off.block_fwd.kernels) == 2 * kernels

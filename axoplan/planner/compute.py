@@ -259,7 +259,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
                   + Work(2 * e * T * (hq + hkv) * hd, 2))
     act_f = Work(5 * e * T * f, 2) if model.mlp == "swiglu" else Work(2 * e * T * f, 1)
     act_b = Work(13 * e * T * f, 4) if model.mlp == "swiglu" else Work(3 * e * T * f, 1)
-    residual = Work(3 * e * Ts * hx, 1)
+    # the residual add, and with the execution's dropout before it a kernel writing the output and a byte mask
+    residual = Work(3 * e * Ts * hx, 1) + Work((2 * e + 1) * Ts * hx, 1) * execution.dropout
     block_fwd = _norm_fwd(model.norm, Ts, hx, e) * 2 + attn_f + act_f + residual * 2
     block_bwd = (_norm_bwd(model.norm, Ts, hx, e) * 2 + attn_b + act_b + residual * 2 + acc
                  + Work(12 * hx, 1) * (2 * later))
@@ -302,12 +303,12 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     if execution.elementwise_kernels == "fused":
         return _fused(model, T, Ts, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
                       _accumulate(s_lm, nb_lm, gz, red, e), _accumulate(s_emb, nb_emb, gz, red, 4), s_emb, shift, cast,
-                      loss)
+                      loss, execution.dropout)
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 
 
 def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts, lm_cast, early, learned, later,
-           acc_lm, acc_emb, s_emb, shift, cast, loss) -> ElementwiseWork:
+           acc_lm, acc_emb, s_emb, shift, cast, loss, dropout: bool = False) -> ElementwiseWork:
     """A framework that fuses each norm, activation, rotary embedding and the loss into one kernel (its
     forward reads the inputs and writes the output once; its backward reads the inputs and the output's
     gradient and writes the input's): the same gathers, casts and gradient accumulation as the trainer."""
@@ -318,7 +319,8 @@ def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts
     swiglu = model.mlp == "swiglu"
     act_f = Work((3 if swiglu else 2) * e * T * f, 1)
     act_b = Work((5 if swiglu else 3) * e * T * f, 1)
-    residual = Work(3 * e * Ts * hx, 1)
+    # the bias-dropout-add: with dropout its mask written in the forward and read in the backward, a byte each
+    residual = Work(3 * e * Ts * hx + Ts * hx * dropout, 1)
     block_fwd = norm_f * 2 + rope_f + act_f + residual * 2
     block_bwd = norm_b * 2 + rope_b + act_b + residual * 2 + acc + Work(12 * hx, 1) * (2 * later)
     # the embedding: the row lookup (and the learned positions' add); its gradient scattered in fp32

@@ -68,10 +68,11 @@ class Execution:
     # kernel, the probabilities times V as a second batched GEMM, all over the whole S x S (no causal skip),
     # the probabilities kept for the backward
     attention: str = "flash"
-    # unfused attention only: dropout on the probabilities as a kernel of its own, its mask (one byte per score)
-    # and output kept for the backward (Megatron's --attention-dropout, default 0.1); inside a flash kernel it
-    # costs nothing the model counts
-    attention_dropout: bool = False
+    # GPT-3's dropout (Megatron's --attention-dropout and --hidden-dropout, default 0.1): on the attention
+    # probabilities (unfused: a kernel of its own, its one-byte mask and output kept; inside a flash kernel: no
+    # cost the model counts) and on the attention and MLP outputs before their residual adds, each keeping a
+    # one-byte mask per element for the backward (fused kernels: in the bias-dropout-add; eager: a kernel each)
+    dropout: bool = False
     # the Z-gathered weights freed after their forward and gathered again for the backward (and its recompute);
     # false: kept gathered from the forward to the end of their backward (FSDP SHARD_GRAD_OP / ZeRO-2, FSDP2
     # reshard_after_forward=False; AxoNN's weight caching of every layer)
@@ -179,7 +180,7 @@ PRESETS = {
                + _MEGATRON_FUSION),
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
-        overlap_grad_reduce=False, recompute="attention-core", attention="unfused", attention_dropout=True,
+        overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
                "before FlashAttention (baddbmm, FusedScaleMaskSoftmax, attention dropout 0.1, bmm; their "
@@ -187,11 +188,12 @@ PRESETS = {
                "distributed optimizer, the data-parallel all-reduce after the backward; " + _MEGATRON_FUSION),
     "megatron-axonn": Execution(
         "megatron-axonn", elementwise_kernels="fused", weights="low-precision-copy", overlap_grad_reduce=False,
-        prefetch_into_recompute=False,
+        prefetch_into_recompute=False, dropout=True,
         source="the AxoNN paper's runs (github.com/axonn-ai/Megatron-AxoNN, branch gordon-bell-perlmutter): "
                "bf16 weights of Float16Module sharded and gathered over Z, --overlap-grad-reduce rejected, the "
                "fp32 data-parallel all-reduce after the backward, the weight prefetch restarted per recomputed layer "
-               "(docs/scale.md)"),
+               "(docs/scale.md); Megatron's default dropout (0.1), which its Perlmutter script "
+               "(examples/run_axonn_perlmutter.sh: --use-flash-attn, full recompute) does not change"),
     "llm-foundry": Execution(
         "llm-foundry", elementwise_kernels="fused", loss_kernel="fused",
         source="llm-foundry's MPT runs (mosaicml/llm-foundry scripts/train/benchmarking/submit_benchmarks.py): "

@@ -157,10 +157,12 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # head; unfused the softmax's probabilities over S keys per head (and the dropout's mask and output)
     unfused = execution.attention == "unfused"
     S = model.seq_len if seq_len is None else seq_len
-    core = heads * S * (e + (1 + e) * execution.attention_dropout) if unfused else heads * FP32
+    core = heads * S * (e + (1 + e) * execution.dropout) if unfused else heads * FP32
     saved = {  # freed in this order by the backward: fc2's input, fc1's output, fc1's input, ...
         "act": act_out, "fc1": f1 * e, "h2": (hx * e + stats / 2) * sp, "x1": hx * e * sp,
         "sdpa": (qh + 2 * kvh) * e + rope + qh * e + core, "h1": (hx * e + stats / 2) * sp,
+        # the dropout masks of the attention and MLP outputs (a byte per element), freed by their layer's backward
+        "mask2": hx * sp * execution.dropout, "mask1": hx * sp * execution.dropout,
     }
     attention_core = execution.recompute == "attention-core"
     if attention_core:  # a checkpointing block keeps all but the core's own tensors, remade before its backward

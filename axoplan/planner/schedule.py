@@ -68,9 +68,9 @@ HEAD_BACKWARD_MOMENTS = (Moment("backward loss", logits="loss backward"),
                          Moment("backward final norm", transient="norm"))
 EMBEDDING_MOMENTS = (Moment("backward embedding", transient="residual", gemm=True),)
 BLOCK_MOMENTS = {
-    "fc2": (Moment("fc2", ("act",), "fc2", 4, True),),
+    "fc2": (Moment("fc2", ("act", "mask2"), "fc2", 4, True),),
     "fc1": (Moment("fc1", ("fc1", "h2"), "fc1", 3, True), Moment("norm2", ("x1",), "norm", 2)),
-    "attn_out": (Moment("attn_out", (), "attn_out", 2, True),),
+    "attn_out": (Moment("attn_out", ("mask1",), "attn_out", 2, True),),
     "qkv": (Moment("attention", ("sdpa",), "attention", 1), Moment("qkv", ("h1",), "qkv", 1, True),
             Moment("norm1", (), "norm", 0)),
 }
@@ -203,7 +203,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     lm = model.lm_head()
     head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
     if ex.attention == "unfused":  # batched GEMMs and softmax kernels over the [S, S] scores
-        ua = work.unfused_attention(profile, model, gy, mb, S, e, ex.attention_dropout)
+        ua = work.unfused_attention(profile, model, gy, mb, S, e, ex.dropout)
         attn_f = Op("attention", ua.fwd, bytes=ua.fwd_work.bytes, kernels=ua.fwd_work.kernels + 2)
         attn_b = Op("attention", ua.bwd, bytes=ua.bwd_work.bytes, kernels=ua.bwd_work.kernels + 4)
     else:
