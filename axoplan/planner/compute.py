@@ -320,7 +320,7 @@ def _fused(model: ModelSpec, T, Ts, S, hx, hq, hkv, hd, f, V, e: int, acc, casts
     act_f = Work((3 if swiglu else 2) * e * T * f, 1)
     act_b = Work((5 if swiglu else 3) * e * T * f, 1)
     # the bias-dropout-add: with dropout its mask written in the forward and read in the backward, a byte each
-    residual = Work(3 * e * Ts * hx + Ts * hx * dropout, 1)
+    residual = Work(3 * e * Ts * hx, 1) + Work(Ts * hx, 0) * dropout
     block_fwd = norm_f * 2 + rope_f + act_f + residual * 2
     block_bwd = norm_b * 2 + rope_b + act_b + residual * 2 + acc + Work(12 * hx, 1) * (2 * later)
     # the embedding: the row lookup (and the learned positions' add); its gradient scattered in fp32

@@ -162,7 +162,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         "act": act_out, "fc1": f1 * e, "h2": (hx * e + stats / 2) * sp, "x1": hx * e * sp,
         "sdpa": (qh + 2 * kvh) * e + rope + qh * e + core, "h1": (hx * e + stats / 2) * sp,
         # the dropout masks of the attention and MLP outputs (a byte per element), freed by their layer's backward
-        "mask2": hx * sp * execution.dropout, "mask1": hx * sp * execution.dropout,
+        "mask2": hx * sp if execution.dropout else 0.0, "mask1": hx * sp if execution.dropout else 0.0,
     }
     attention_core = execution.recompute == "attention-core"
     if attention_core:  # a checkpointing block keeps all but the core's own tensors, remade before its backward
@@ -200,10 +200,11 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     dres = Ts * hx * e  # the residual stream's gradient, live through the blocks
     norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
     qkv_l = qh + 2 * kvh
+    # attention's backward: q, k, v's gradients; unfused, two [S, S] gradients at a time; the recomputed core
+    attention = qkv_l * e * 2 + (2 * e * heads * S if unfused else 0.0) + (np.where(ck, core, 0.0) if attention_core
+                                                                            else 0.0)
     transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
-                  "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e,
-                  # q, k, v's gradients; unfused, two [S, S] gradients at a time, and the recomputed core
-                  "attention": T * (qkv_l * e * 2 + 2 * e * heads * S * unfused + np.where(ck, core, 0.0) * attention_core),
+                  "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * attention,
                   "qkv": T * qkv_l * e + T * hx * e}
     if fused_loss:
         # a fused cross-entropy reads the logits in their dtype, saves a log-sum-exp per token and writes

@@ -282,21 +282,22 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
                       gather=[colls[i]["ag"]])
 
     plain = [bwd_window(i, ex.reshard_after_forward) for i in reversed(range(4))]
-    if ex.recompute == "op-selective":
-        recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
-    elif ex.recompute == "attention-core":
-        recompute = []  # the core alone, recomputed where its backward starts (below)
+    if ex.recompute == "attention-core":
+        # nothing before the block's backward: the core's forward again where its backward starts, every
+        # weight gathered as without recompute
+        recompute, ckpt = [], plain[:3] + [Window("attention (recompute)", {"attention": attn_f})] + plain[3:]
     else:
-        recompute = [fwd_window(i, " (recompute)") for i in range(4)]
-    if not ex.reshard_after_forward:  # the weights stay gathered from the forward: the recompute gathers nothing
-        recompute = [dataclasses.replace(w, compute={k: v for k, v in w.compute.items() if k != "weight cast"},
-                                         gather=[], _compute=None) for w in recompute]
-    elif not ex.prefetch_into_recompute and recompute:  # the block's first gather issued by its own recompute, waited for
-        first = recompute[0]
-        recompute[0] = dataclasses.replace(first, blocking=first.gather + first.blocking, gather=[])
-    ckpt = [bwd_window(i, False) for i in reversed(range(4))]
-    if ex.recompute == "attention-core":  # every weight gathered as without recompute; the core's forward again
-        ckpt = plain[:3] + [Window("attention (recompute)", {"attention": attn_f})] + plain[3:]
+        if ex.recompute == "op-selective":
+            recompute = [selective_window(i, share) for i, share in enumerate(op_selective(model).share)]
+        else:
+            recompute = [fwd_window(i, " (recompute)") for i in range(4)]
+        if not ex.reshard_after_forward:  # the weights stay gathered from the forward: the recompute gathers nothing
+            recompute = [dataclasses.replace(w, compute={k: v for k, v in w.compute.items() if k != "weight cast"},
+                                             gather=[], _compute=None) for w in recompute]
+        elif not ex.prefetch_into_recompute:  # the block's first gather issued by its own recompute, waited for
+            first = recompute[0]
+            recompute[0] = dataclasses.replace(first, blocking=first.gather + first.blocking, gather=[])
+        ckpt = [bwd_window(i, False) for i in reversed(range(4))]
 
     # ---- per step: data-parallel gradients, replicated parameters, the optimizer --------------------
     params = comm.parameter_shards(model, gx, gy, gz)
