@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ratio = 2.0 * d.m * d.n * d.k / t / d.flops
     big = (d.m >= 512) & (d.n >= 512) & (d.k >= 512)
     print(f"XLA sm_90 bf16, b=1: {len(d)} shapes ({int(big.sum())} with every dimension >= 512)")
-    print("dgx-h100 profile (curve, memory roofline, kernel cost) / measured throughput:")
+    print(f"dgx-h100 profile (curve with dim_half {prof.gemm_half:.0f}, the memory-traffic rule; memory roofline, "
+          f"kernel cost) / measured throughput:")
     for name, sel in (("all shapes", slice(None)), ("dims >= 512", big)):
         r = ratio[sel]
         print(f"  {name:12} median {np.median(r):.2f}  rms log error {np.sqrt(np.mean(np.log(r) ** 2)):.3f}  "

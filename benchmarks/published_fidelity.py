@@ -26,6 +26,9 @@ GPUs) (megatron/training/training.py num_floating_point_operations for a GPT wit
 Errors are |predicted/measured - 1| of time per iteration; Kendall tau ranks tokens/s/GPU, predicted vs
 measured, within one model on one machine (groups of 3 or more runs), averaged over the groups.
 
+Korthikanti et al.'s Table 4 (one GPT-22B layer's forward and backward, five recompute / sequence-parallel
+experiments) is printed as its own table: the schedule's block windows of one micro-batch per layer against it.
+
 --ablate adds each GPU mechanism's share (issue 15): the tables again with all profile physics off, then each
 one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap), and
 with every run predicted with the bundled trainer's execution instead of its framework's.
@@ -241,6 +244,27 @@ def bloom():
 LOADERS = [llmfoundry, torchtitan, megatron_core, korthikanti, bloom]
 
 
+def layer_times(profiles: dict) -> list[dict]:
+    """Korthikanti et al.'s Table 4: one layer's forward and backward as the schedule times it (the block
+    windows of one micro-batch, over the layers), against the published milliseconds."""
+    src = "korthikanti2022_table4_layer_time_a100.csv"
+    out = []
+    for r in read_table(src):
+        L = int(r["layers"])
+        model = _gpt(r["model"].lower(), L, r["hidden"], r["heads"], r["vocab"], r["seq_len"])
+        rec = {"none": "full", "full": "full", "selective": "attention-core"}[r["recompute"]]
+        ex = dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=r["sequence_parallel"] == "yes", recompute=rec)
+        mb = int(r["micro_batch"])
+        e = explain(model, profiles["korthikanti-selene"], int(r["gpus"]), mb, grid=(1, int(r["tp"]), 1, 1), order="yzx",
+                    seq_len=int(r["seq_len"]), micro_batch=mb, checkpointing=r["recompute"] != "none", execution=ex)
+        w = e.windows[e.windows.count_per_micro_batch == L]
+        pred = {p: float(w[w["pass"] == p].window_s.sum()) / L * 1e3 for p in ("forward", "backward")}
+        out.append({"experiment": r["experiment"], "forward_ms": float(r["forward_ms"]),
+                    "backward_ms": float(r["backward_ms"]), "pred_forward_ms": pred["forward"],
+                    "pred_backward_ms": pred["backward"]})
+    return out
+
+
 def machine_profiles() -> dict:
     """Profile per dataset, with the published machine's own memory facts where they differ, and the
     attention kernel the runs used where it is not the profile's (attention_kernel_scale: its rate over
@@ -381,11 +405,12 @@ def main(argv=None) -> int:
     allok = [r for r in rows if "ratio" in r]
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
     abl = ablation(runs, profiles) if args.ablate else None
+    layers = layer_times(profiles)
 
     if args.format == "json":
         json.dump({**meta, "datasets": summary, "overall": summarise(allok),
                    "excluded": [{"source": s, "label": lab, "reason": why} for s, lab, why in excluded],
-                   **({"ablation": abl} if abl else {}),
+                   **({"ablation": abl} if abl else {}), "layer_times": layers,
                    "rows": rows}, sys.stdout, indent=1, default=str)
         print()
         return 0
@@ -415,6 +440,11 @@ def main(argv=None) -> int:
             print(f"  {ds:22} {r['label'][:44]:44} {r['grid']:>12} mb{r['micro_batch']:<3} "
                   f"{'ck' if r['checkpointing'] else '  '} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
                   f"{r['ratio']:5.2f} {flags}")
+    print("\none layer of Korthikanti et al.'s GPT-22B (Table 4, Selene A100, t = 8, micro-batch 4), ms, pred/meas:")
+    for r in layers:
+        print(f"  {r['experiment']:26} forward {r['forward_ms']:5.1f} {r['pred_forward_ms']:6.2f} "
+              f"{r['pred_forward_ms'] / r['forward_ms']:5.2f}   backward {r['backward_ms']:5.1f} "
+              f"{r['pred_backward_ms']:6.2f} {r['pred_backward_ms'] / r['backward_ms']:5.2f}")
     if abl:
         print("\nGPU mechanisms (issue 15), mean error / median pred/meas per dataset:")
         print(f"  {'':24}" + "".join(f"{ds[:20]:>21}" for ds in datasets + ["overall"]))

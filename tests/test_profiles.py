@@ -52,7 +52,7 @@ def test_bundled_profile_loads_and_is_sane(name):
     assert 0 < p.gemm_ceiling <= p.peak_flops
     assert 0 < p.attn_flops <= p.peak_flops
     assert p.attn_bwd_factor == 2.5 and p.attn_causal_skip
-    assert p.gemm_dim_half > 0
+    assert p.gemm_half > 0
     for size, stride, bw in p.intra_groups:
         assert size * stride <= p.gpus_per_node and p.gpus_per_node % (size * stride) == 0
         assert 10 * GB <= bw <= 1000 * GB
@@ -153,3 +153,27 @@ def test_frontier_latencies_per_collective():
     assert p.inter_latency * p.coll_lat_scale["reduce_scatter"] == pytest.approx(29.8e-6, rel=1e-3)
     q = load_profile("perlmutter")
     assert all(q.inter_latency * s == pytest.approx(9e-6) for s in q.coll_lat_scale.values())
+
+
+def test_gemm_dim_half_by_the_memory_traffic_rule():
+    """dim_half = ceiling x bytes / (2 x elementwise_efficiency x bandwidth), by hand: Perlmutter's A100-40GB
+    280e12 x 2 / (2 x 0.7 x 1555e9) = 257.23; it follows the bandwidth (a benchmark's machine override) and
+    an explicit number still wins."""
+    p = load_profile("perlmutter")
+    assert _raw("perlmutter")["compute"]["gemm"]["dim_half"]["value"] == "memory-traffic"
+    assert p.gemm_half == pytest.approx(280e12 * 2 / (2 * 0.7 * 1555e9)) == pytest.approx(257.23, abs=0.01)
+    half = p.gemm_half
+    t, _ = p.gemm_seconds(4096, 2048, 96, "NN")
+    eff = 4096 / (4096 + half) * 2048 / (2048 + half) * 96 / (96 + half)
+    assert float(t) == pytest.approx(2 * 4096 * 2048 * 96 / (280e12 * eff) + p.launch_cost)
+    assert p.replace(mem_bandwidth=2 * 1555e9).gemm_half == pytest.approx(half / 2)
+    assert p.replace(gemm_dim_half=340.0).gemm_half == 340.0
+    # the H100: the rule lands on the least-squares fit to XLA's table (340)
+    assert load_profile("dgx-h100").gemm_half == pytest.approx(340, rel=0.01)
+
+
+def test_a_bad_dim_half_rule_is_one_sentence():
+    d = copy.deepcopy(_raw("perlmutter"))
+    d["compute"]["gemm"]["dim_half"]["value"] = "memory"
+    with pytest.raises(UserError, match=r"field 'compute.gemm.dim_half' must be a number or 'memory-traffic', got 'memory'$"):
+        profile_from_dict(d, "test profile")

@@ -114,6 +114,22 @@ class AttentionTable:
         return tuple(float(np.exp(np.interp(x, np.log(ns), logs[:, i]))) for i in (0, 1))
 
 
+DIM_HALF_RULE = "memory-traffic"
+
+
+def _dim_half(gemm: dict, rd) -> float | None:
+    """compute.gemm.dim_half: a number (measured or fitted), or 'memory-traffic' for the rule of
+    MachineProfile.gemm_half."""
+    v = gemm.get("dim_half")
+    if isinstance(v, dict):
+        v = v.get("value")
+    if isinstance(v, str):
+        if v != DIM_HALF_RULE:
+            rd.fail("compute.gemm.dim_half", f"must be a number or {DIM_HALF_RULE!r}, got {inputs.show(v)}")
+        return None
+    return rd.num(gemm, "dim_half", "compute.gemm", default=0.0, allow_zero=True)
+
+
 def _kind(d, rd) -> str:
     if "kind" not in d:
         rd.fail("kind", "is missing: say which device the profile describes, `kind: gpu` or `kind: cpu`")
@@ -149,7 +165,8 @@ class MachineProfile:
     peak_flops: float
     kernel_overhead: float  # s per kernel
     gemm_ceiling: float  # FLOP/s
-    gemm_dim_half: float
+    # each GEMM dimension d runs at d/(d + dim_half) of the ceiling; None: the memory-traffic rule (gemm_half)
+    gemm_dim_half: float | None
     attn_flops: float
     attn_causal_skip: bool
     attn_bwd_factor: float
@@ -195,6 +212,15 @@ class MachineProfile:
 
     def replace(self, **kw) -> MachineProfile:
         return dataclasses.replace(self, **kw)
+
+    @property
+    def gemm_half(self) -> float:
+        """The GEMM curve's dim_half: the profile's number, or by the memory-traffic rule the size of a
+        dimension at which moving the operand it does not index, at the element-wise kernels' share of HBM
+        bandwidth, takes as long as the GEMM's FLOP at the ceiling (A[m,k] against 2·m·n·k: n = C·e/(2·η·BW))."""
+        if self.gemm_dim_half is not None:
+            return self.gemm_dim_half
+        return self.gemm_ceiling * self.dtype_bytes / (2.0 * self.elementwise_efficiency * self.mem_bandwidth)
 
     def with_corrections(self, **kw) -> MachineProfile:
         return dataclasses.replace(self, corrections=dataclasses.replace(self.corrections, **kw))
@@ -263,7 +289,7 @@ class MachineProfile:
         flop = 2.0 * m * n * k
         scale = self.corrections.gemm_scale
         if self.gemm_table is None:
-            d = self.gemm_dim_half
+            d = self.gemm_half
             eff = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
             t_compute = flop / (self.gemm_ceiling * eff * scale)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
@@ -773,7 +799,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
-        gemm_dim_half=rd.num(gemm, "dim_half", "compute.gemm", default=0.0, allow_zero=True),
+        gemm_dim_half=_dim_half(gemm, rd),
         attn_flops=rd.num(attn, "tflops", "compute.attention") * TFLOP,
         attn_causal_skip=causal,
         attn_bwd_factor=rd.num(attn, "backward_factor", "compute.attention", default=2.5),
