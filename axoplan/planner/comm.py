@@ -258,11 +258,15 @@ def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes
 @dataclass
 class ParameterShards:
     """One rank's weights: elements of each block linear's [k/g_in, n/g_out] block (qkv, attn_out, fc1, fc2),
-    of the LM head's and of the embedding's, before Z sharding; `total` the fp32 elements of its Z shards."""
+    of the LM head's and of the embedding's, before Z sharding; the elements of their Z shards (one block's
+    four together), and `total` the fp32 elements of all its Z shards."""
 
     blocks: list
     lm_head: np.ndarray
     embedding: np.ndarray
+    block_shard: np.ndarray
+    lm_shard: np.ndarray
+    emb_shard: np.ndarray
     total: np.ndarray
 
 
@@ -271,8 +275,9 @@ def parameter_shards(model: ModelSpec, gx, gy, gz) -> ParameterShards:
     k, n = model.lm_head().local(gx, gy)
     rows, cols = model.embedding_local(gx, gy)
     lm, emb = k * n, rows * cols
-    total = sum(shard_elems(b, gz) for b in blocks) * model.n_layers + shard_elems(lm, gz) + shard_elems(emb, gz)
-    return ParameterShards(blocks, lm, emb, total)
+    block_shard, lm_shard, emb_shard = sum(shard_elems(b, gz) for b in blocks), shard_elems(lm, gz), shard_elems(emb, gz)
+    return ParameterShards(blocks, lm, emb, block_shard, lm_shard, emb_shard,
+                           block_shard * model.n_layers + lm_shard + emb_shard)
 
 
 def padded_block(elems, gz) -> np.ndarray:

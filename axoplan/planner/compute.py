@@ -267,8 +267,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
 
     # outside the blocks
     V = model.padded_vocab / np.asarray(gy)
-    rows, cols = model.embedding_local(np.asarray(gx), np.asarray(gy))
-    nb_emb = rows * cols
+    emb_rows, emb_cols = model.embedding_local(np.asarray(gx), np.asarray(gy))
+    nb_emb = emb_rows * emb_cols
     s_emb = -(-nb_emb // gz)
     s_lm, nb_lm = shard(model.lm_head())
     learned = model.position == "learned"

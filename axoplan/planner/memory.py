@@ -200,9 +200,11 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     dres = Ts * hx * e  # the residual stream's gradient, live through the blocks
     norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
     qkv_l = qh + 2 * kvh
-    # attention's backward: q, k, v's gradients; unfused, two [S, S] gradients at a time; the recomputed core
-    attention = qkv_l * e * 2 + (2 * e * heads * S if unfused else 0.0) + (np.where(ck, core, 0.0) if attention_core
-                                                                            else 0.0)
+    attention = qkv_l * e * 2  # attention's backward: q, k, v's gradients
+    if unfused:
+        attention = attention + 2 * e * heads * S  # two [S, S] gradients at a time
+    if attention_core:
+        attention = attention + np.where(ck, core, 0.0)  # the recomputed core
     transients = {"": 0.0, "head dI": T * hx * e, "norm": norm_bwd, "residual": dres, "fc2": T * ffn * e,
                   "fc1": T * (f1 + hx) * e, "attn_out": T * (hx + qh) * e, "attention": T * attention,
                   "qkv": T * qkv_l * e + T * hx * e}

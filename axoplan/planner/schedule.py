@@ -307,8 +307,7 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
                                                            work.fused_optimizer(profile), ex, e))
     plan = None
     if overlap and ex.overlap_grad_reduce:  # the trainer's buckets, one definition: comm.gradient_buckets
-        plan = comm.gradient_buckets(sum(comm.shard_elems(b, gz) for b in params.blocks),
-                                     comm.shard_elems(params.lm_head, gz), comm.shard_elems(params.embedding, gz), L)
+        plan = comm.gradient_buckets(params.block_shard, params.lm_shard, params.emb_shard, L)
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
