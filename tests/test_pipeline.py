@@ -84,7 +84,10 @@ def test_the_steady_state_continuation_equals_the_full_walk(pp, rounds, edge, se
     sec = np.concatenate([F, 2 * F])[:, None]
     sends = np.full((2, 1), send)
     full = P._walk(P.walk_plan(sched, pp, vpp, m), sec, np.concatenate([np.zeros((1, 1)), sends]))
-    assert np.allclose(P.rank_end_times(sched, pp, vpp, m, sec, sends), full, rtol=1e-9)
+    cap, period = P.steady_cap(sched, pp)
+    # exact up to the cap; past it the mean increment of a period: within the spread of one period's increments
+    spread = period * 2 * send + 1e-9 * full.max()
+    assert np.all(np.abs(P.rank_end_times(sched, pp, vpp, m, sec, sends) - full) <= (spread if m > cap else 1e-9 * full.max()))
 
 
 def test_transfers_sit_on_the_paths_between_stages():
