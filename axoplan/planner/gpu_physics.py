@@ -12,6 +12,47 @@ import numpy as np
 US = 1e-6
 TFLOP = 1e12
 LATENCY_MODELS = ("per_step", "nccl")
+GB = 1e9
+# the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
+PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor"}
+PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "source"}
+PROTOCOL_NAMES = ("LL", "LL128", "Simple")
+# NCCL's tree correction by log2(bytes / 64), 64 B to 256 MB, per protocol (NVIDIA/nccl src/graph/tuning.cc
+# @5067397 treeCorrectionFactor): its trees run slower than its own model at medium sizes; 1 beyond the table
+TREE_CORRECTION = {
+    "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One NCCL protocol of one algorithm: seconds per call, per step inside a node and per network step;
+    its bus bandwidth is min(bw_factor x the group's plateau, channels x per_channel) (bytes/s), per_channel
+    on 2 nodes and on more."""
+
+    name: str
+    base: float
+    intra: float
+    net: float
+    bw_factor: float = 1.0
+    per_channel: tuple = (float("inf"), float("inf"))
+
+
+@dataclass(frozen=True)
+class Protocols:
+    """NCCL's protocol-aware model of a collective across nodes (NVIDIA/nccl src/graph/tuning.cc): every
+    (algorithm, protocol) pair's time is latency + bytes / bandwidth, and NCCL takes the fastest."""
+
+    ring: tuple  # Protocol per protocol NCCL runs for rings
+    tree: tuple = ()  # the all-reduce tree's; empty: no tree (RCCL's rings only, or a profile without it)
+    ring_plateau: float = 1.0  # a Simple ring all-reduce across nodes pays this x its latency ('plateau effect')
+    ll_max: tuple = (float("inf"), float("inf"))  # LL bus bandwidth cap (bytes/s) on 2 nodes, on more
+    channels: int = 1  # NCCL channels (rings) a group runs across nodes
+    # on 2 nodes a tree's bus bandwidth is this x the ring's plateau: each node's NICs carry the buffer once
+    # each way, where a ring's busbw convention assumes 2(p-1)/p of it over them
+    two_node_tree_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +62,7 @@ class GpuPhysics:
     latency_model: str = "per_step"  # per_step: every ring step pays its group's latency; nccl: see comm.py
     base_latency: float = 0.0  # s per collective call (nccl model only)
     overlap_slowdown: float = 0.0  # compute runs 1 + this slower while a collective runs beside it
+    protocols: Protocols | None = None  # network.protocols: collectives across nodes by NCCL's protocol model
 
     def attention_rates(self, seq_len: float, head_dim: float) -> tuple[float, float] | None:
         """(forward, backward) FLOP/s of the attention kernel at this sequence length and head size:
@@ -66,4 +108,61 @@ def parse(d: dict, rd) -> GpuPhysics:
     slow = rd.num(net, "overlap_compute_slowdown", "network", default=0.0, allow_zero=True) if isinstance(net, dict) else 0.0
     if slow >= 1:
         rd.fail("network.overlap_compute_slowdown", f"must be below 1 (a share of the compute time), got {slow:g}")
-    return GpuPhysics(rates, model, base, slow)
+    return GpuPhysics(rates, model, base, slow, _protocols(net, rd) if isinstance(net, dict) else None)
+
+
+def _protocols(net: dict, rd) -> Protocols | None:
+    """network.protocols: {source, channels, ring_plateau, ll_max_busbw_gbs: [2 nodes, more], ring: [rows],
+    tree: [rows]}, each row {protocol, base_us, intra_us, net_us, bw_factor, per_channel_gbs}."""
+    d = net.get("protocols")
+    if d is None:
+        return None
+    where = "network.protocols"
+    if not isinstance(d, dict):
+        rd.fail(where, "must be a mapping {source, channels, ring: [...], tree: [...], ...}")
+    bad = sorted(str(k) for k in set(d) - PROTOCOL_KEYS)
+    if bad:
+        rd.fail(f"{where}.{bad[0]}", f"is not a protocol-model field (known: {', '.join(sorted(PROTOCOL_KEYS))})")
+
+    def rows(key):
+        rs = d.get(key) or []
+        if not isinstance(rs, list) or (key == "ring" and not rs):
+            rd.fail(f"{where}.{key}", "must be a non-empty list of {protocol, base_us, intra_us, net_us, bw_factor}")
+        out = []
+        for i, r in enumerate(rs):
+            p = f"{where}.{key}[{i}]"
+            if not isinstance(r, dict):
+                rd.fail(p, "must be a mapping {protocol, base_us, intra_us, net_us, bw_factor, per_channel_gbs}")
+            extra = sorted(str(k) for k in set(r) - PROTOCOL_ROW_KEYS)
+            if extra:
+                rd.fail(f"{p}.{extra[0]}", f"is not a protocol field (known: {', '.join(sorted(PROTOCOL_ROW_KEYS))})")
+            name = r.get("protocol")
+            if name not in PROTOCOL_NAMES or name in [x.name for x in out]:
+                rd.fail(f"{p}.protocol", f"must be one of {', '.join(PROTOCOL_NAMES)}, each once, got {name!r}")
+            f = rd.num(r, "bw_factor", p, default=1.0)
+            if f > 1:
+                rd.fail(f"{p}.bw_factor", f"must be at most 1 (a share of the plateau), got {f:g}")
+            pc = r.get("per_channel_gbs")
+            if isinstance(pc, list):
+                if len(pc) != 2:
+                    rd.fail(f"{p}.per_channel_gbs", "must be a number or [on 2 nodes, on more] in GB/s")
+                pc = tuple(rd.num({"v": v}, "v", f"{p}.per_channel_gbs") * GB for v in pc)
+            else:
+                pc = (rd.num(r, "per_channel_gbs", p, default=float("inf")) * GB,) * 2
+            out.append(Protocol(name, *(rd.num(r, k, p, allow_zero=True) * US for k in ("base_us", "intra_us", "net_us")),
+                                f, pc))
+        return tuple(out)
+
+    ll = d.get("ll_max_busbw_gbs")
+    if ll is None:
+        ll_max = (float("inf"), float("inf"))
+    else:
+        if not isinstance(ll, list) or len(ll) != 2:
+            rd.fail(f"{where}.ll_max_busbw_gbs", "must be [on 2 nodes, on more] in GB/s")
+        ll_max = tuple(rd.num({"v": v}, "v", f"{where}.ll_max_busbw_gbs") * GB for v in ll)
+    ch = rd.num(d, "channels", where, default=1.0)
+    if ch != int(ch):
+        rd.fail(f"{where}.channels", f"must be an integer, got {ch:g}")
+    plateau = rd.num(d, "ring_plateau", where, default=1.0)
+    two = rd.num(d, "two_node_tree_factor", where, default=1.0)
+    return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two)
