@@ -83,20 +83,29 @@ def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
 
 
 def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, nodes, busbw) -> np.ndarray:
-    """Seconds of one collective across nodes by NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc,
-    network.protocols): each ring protocol costs base + (steps - network steps) x intra + network steps x net
-    (a Simple ring all-reduce x ring_plateau) plus the buffer's ring volume over its bus bandwidth,
-    min(bw_factor x the group's plateau busbw, channels x per_channel; LL also under ll_max); an all-reduce
-    may take the tree instead: base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer
-    over half the bus bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree
-    correction at medium sizes. NCCL runs the fastest.
-    busbw: the group's plateau, already shared among the groups that leave its nodes at once."""
-    pr = profile.physics.protocols
-    c = profile.corrections.latency_scale * profile.coll_lat_scale[kind]
+    """Seconds of one collective across nodes on a profile with network.protocols (protocol_time with the
+    profile's per-collective scales and corrections)."""
+    corr = profile.corrections
+    t = protocol_time(profile.physics.protocols, kind, nbytes, p, per_node, nodes,
+                      np.asarray(busbw, dtype=np.float64) * profile.coll_bw_scale[kind],
+                      corr.latency_scale * profile.coll_lat_scale[kind])
+    return np.where(np.asarray(p) > 1, t + corr.collective_overhead_s, 0.0)
+
+
+def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nodes, busbw,
+                  lat_scale: float = 1.0) -> np.ndarray:
+    """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc) of one collective across nodes: each ring
+    protocol costs base + (steps - network steps) x intra + network steps x net (a Simple ring all-reduce
+    x ring_plateau) plus the buffer's ring volume over its bus bandwidth, min(bw_factor x the group's
+    plateau busbw, channels x per_channel; LL also under ll_max); an all-reduce may take the tree instead:
+    base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer over half the bus
+    bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
+    sizes. NCCL runs the fastest. busbw: the group's plateau, already shared among the groups that leave
+    its nodes at once. lat_scale multiplies every latency."""
     nb = np.asarray(nbytes, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
     n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
-    bw = np.asarray(busbw, dtype=np.float64) * profile.coll_bw_scale[kind]
+    bw = np.asarray(busbw, dtype=np.float64)
     ar = kind == "all_reduce"
     steps = ring_steps(kind, p)
     net_steps = (2.0 if ar else 1.0) * (n - 1)
@@ -112,7 +121,7 @@ def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, no
         lat = pro.base + (steps - net_steps) * pro.intra + net_steps * pro.net
         if ar and pro.name == "Simple":
             lat = lat * pr.ring_plateau
-        best = np.minimum(best, lat * c + ring_volume(kind, p, nb) / bus(pro, bw))
+        best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / bus(pro, bw))
     if ar:
         log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
         lg = np.ceil(np.log2(n))
@@ -121,8 +130,8 @@ def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, no
             table = np.array(gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
             corr = table[np.clip(log_size, 0, len(table) - 1)]
             lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * pro.net)
-            best = np.minimum(best, lat * c + nb / (0.5 * bus(pro, tree_bw) * corr))
-    return np.where(p > 1, best + profile.corrections.collective_overhead_s, 0.0)
+            best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
+    return best
 
 
 def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_node=1) -> np.ndarray:

@@ -166,3 +166,68 @@ def _protocols(net: dict, rd) -> Protocols | None:
     plateau = rd.num(d, "ring_plateau", where, default=1.0)
     two = rd.num(d, "two_node_tree_factor", where, default=1.0)
     return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two)
+
+
+NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
+
+
+def nccl_protocols(capability: int, cpu_vendor: str) -> dict | None:
+    """network.protocols as NCCL's defaults give it for GPUs of compute capability `capability` (80 for
+    A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel'), every number with its source; None
+    for a generation whose constants are not written here (before Ampere, or not NVIDIA)."""
+    if capability < 80 or cpu_vendor not in ("amd", "intel"):
+        return None
+    hopper = capability >= 90
+    amd = cpu_vendor == "amd"
+    src = NCCL_TUNING_SOURCE
+    gen = "Hopper" if hopper else "Ampere"
+    # inter-node rings: each intra-node step costs at least the network post overhead (getNetOverhead:
+    # 2 us on AMD x86 hosts, 1 us on Intel; x3 for Simple)
+    over = 2.0 if amd else 1.0
+    ll_in, ll128_in, simple_in = max(0.6, over), max(1.9, over), max(3.4, 3 * over)
+    ll_max = [22.5, 19.0] if amd else [39.0, 20.4]  # llMaxBws for multi-node jobs by CPU vendor: 2 nodes, more
+    ring_ll128 = 36.7 if hopper else 20.0  # perChMaxRingLL128Bws
+    tree_ll128 = [36.7, 29.0] if hopper else [20.0, 20.0]  # perChMaxTreeLL128Bws: 2 nodes, more
+    tree_simple = [41.4, 36.0] if hopper else [23.6, 17.8]  # perChMaxTreeBws: 2 nodes, more
+    return {
+        "source": (f"{src}; {gen} GPUs (compute capability {capability}), {'AMD' if amd else 'Intel'} x86 host "
+                   f"CPUs: getNetOverhead {over:g} us, x3 for Simple, raises each intra-node step of an inter-node "
+                   f"ring; llMaxBws for multi-node jobs {ll_max[0]:g} GB/s on 2 nodes, {ll_max[1]:g} on more"),
+        "channels": {"value": 8, "source": "documented assumption: NCCL builds one ring per NIC on a rail-optimised "
+                                           "node of 8 GPUs and 8 compute NICs; bounds only the per-channel caps"},
+        "ring_plateau": {"value": 1.4, "source": f"{src} ncclTopoGetAlgoTime: a Simple ring all-reduce across nodes "
+                                                 "pays 1.4x its latency on compute capability >= 8.0"},
+        "two_node_tree_factor": {"value": 2.0, "source": (
+            "NCCL team (AddyLaddy, NVIDIA/nccl-tests issue #22): 'the reported BusBW figure can exceed the actual "
+            "available peak BW, when running on just 2 nodes' (the tree); NCCL doubles NVLSTree's inter-node "
+            f"bandwidth on 2 nodes ({src}): each node's NICs carry the buffer once each way")},
+        "ll_max_busbw_gbs": ll_max,
+        "ring": [
+            {"protocol": "LL", "base_us": 6.6, "intra_us": ll_in, "net_us": 2.7, "bw_factor": 0.5,
+             "source": f"{src}: baseLat[Ring][LL] 6.6, hwLat[NVLINK][Ring][LL] 0.6 (or the net overhead), "
+                       "hwLat[NET][Ring][LL] 2.7; busBw = min(llMaxBw, 0.5 x busBw)"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": ll128_in, "net_us": 4.0, "bw_factor": 0.92,
+             "per_channel_gbs": ring_ll128,
+             "source": f"{src}: baseLat[Ring][LL128] 14.0, hwLat[NVLINK][Ring][LL128] 1.9 (or the net overhead), "
+                       f"hwLat[NET][Ring][LL128] 4.0; busBw = min(0.92 x busBw, nChannels x "
+                       f"perChMaxRingLL128Bws[{gen}] {ring_ll128:g})"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": simple_in, "net_us": 14.0, "bw_factor": 1.0,
+             "source": f"{src}: baseLat[Ring][Simple] 8.4, hwLat[NVLINK][Ring][Simple] 3.4 (or 3x the net "
+                       "overhead), hwLat[NET][Ring][Simple] 14.0; bandwidth: the plateau inter_node.busbw_gbs"},
+        ],
+        "tree": [
+            {"protocol": "LL", "base_us": 6.8, "intra_us": 0.6, "net_us": 5.0, "bw_factor": 0.2421,
+             "source": f"{src}: baseLat[Tree][LL] 6.8, hwLat[NVLINK][Tree][LL] 0.6, hwLat[NET][Tree][LL] 5.0; "
+                       "busBw = 0.92 / 3.8 = 0.2421 x, under llMaxBw"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": 1.25, "net_us": 8.5, "bw_factor": 0.8625,
+             "per_channel_gbs": tree_ll128,
+             "source": f"{src}: baseLat[Tree][LL128] 14.0, hwLat[NVLINK][Tree][LL128] 1.25, hwLat[NET][Tree][LL128] "
+                       f"8.5; busBw = 0.92 x 120/128 = 0.8625 x, under nChannels x perChMaxTreeLL128Bws[{gen}] "
+                       f"{tree_ll128[0]:g} on 2 nodes, {tree_ll128[1]:g} on more"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": 4.0, "net_us": 14.0, "bw_factor": 0.92,
+             "per_channel_gbs": tree_simple,
+             "source": f"{src}: baseLat[Tree][Simple] 8.4, hwLat[NVLINK][Tree][Simple] 4.0, hwLat[NET][Tree][Simple] "
+                       f"14; busBw = min(0.92 x busBw, nChannels x perChMaxTreeBws[{gen}] {tree_simple[0]:g} on 2 "
+                       f"nodes, {tree_simple[1]:g} on more)"},
+        ],
+    }
