@@ -119,3 +119,23 @@ def test_bundled_dgx_a100_across_two_and_sixty_four_nodes():
     assert 150 < busbw <= 192 * 1.001
     small = 2 * 511 / 512 * 1e6 / across(p, "all_reduce", 1e6, 512) / GB
     assert small < 30
+
+
+def test_bundled_dgx_protocol_rows_are_nccls_defaults():
+    """The DGX profiles serialise gpu_physics.nccl_protocols (the one definition, which calibration also
+    writes): same rows for their GPU generation and host CPU, plus their measured latency_scale."""
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    for name, cap, cpu in (("dgx-a100", 80, "amd"), ("dgx-h100", 90, "intel"), ("dgx-h200", 90, "intel")):
+        want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}}, _Reader("t")).protocols
+        got = load_profile(name).physics.protocols
+        assert got.ring == want.ring and got.tree == want.tree and got.ll_max == want.ll_max
+        assert got.latency_scale == 2.0 and want.latency_scale == 1.0
+
+
+def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
+    p, q = prof(), prof(dict(PROTOCOLS, latency_scale=2.0))
+    # 8 kB all-gather over 8 GPUs on 2 nodes: LL, 15 us + 7 kB / 20 GB/s; twice the latency with the scale
+    assert across(q, "all_gather", 8e3, 8) == pytest.approx((30 + 7e3 / 20e9 / US) * US)
+    assert across(p, "all_gather", 8e3, 8) == pytest.approx((15 + 7e3 / 20e9 / US) * US)

@@ -349,14 +349,10 @@ def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
         return None, None
     pr = gpu_physics.parse({"network": {"protocols": d}}, _Reader("NCCL's default protocols")).protocols
     f = fit_protocols(pr, cross, meta["ranks_per_node"], busbw0)
-    note = (f"; latencies x {f.latency_scale:.3g} fitted, with the plateau inter_node.busbw_gbs, to {f.points} "
-            f"measurements of groups crossing nodes ({tag}), rms error {f.rms_rel_err:.0%} (max {f.max_rel_err:.0%})")
-    d["source"] += note
-    for key in ("ring", "tree"):
-        for row in d[key]:
-            for k in ("base_us", "intra_us", "net_us"):
-                row[k] = _r(row[k] * f.latency_scale, 4)
-            row["source"] += f"; x {f.latency_scale:.3g} (calibration fit)"
+    d["latency_scale"] = {"value": _r(f.latency_scale, 4), "source": (
+        f"{tag}; every latency of NCCL's default rows below x this, fitted with the plateau inter_node.busbw_gbs to "
+        f"{f.points} measurements of groups crossing nodes (least squares in log time), rms error "
+        f"{f.rms_rel_err:.0%} (max {f.max_rel_err:.0%})")}
     return d, {"busbw_gbs": f.busbw / 1e9, "latency_scale": f.latency_scale, "rms_rel_err": f.rms_rel_err,
                "max_rel_err": f.max_rel_err, "points": f.points}
 

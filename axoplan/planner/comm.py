@@ -101,7 +101,8 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer over half the bus
     bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
     sizes. NCCL runs the fastest. busbw: the group's plateau, already shared among the groups that leave
-    its nodes at once. lat_scale multiplies every latency."""
+    its nodes at once. With one member per node a ring's network steps cost the tree's (NCCL: 'with
+    ppn=1 latencies are fully exposed'). Every latency x the network's latency_scale x lat_scale."""
     nb = np.asarray(nbytes, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
     n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
@@ -116,9 +117,13 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
         b = np.minimum(pro.bw_factor * plateau, pr.channels * np.where(two, *pro.per_channel))
         return np.minimum(b, ll_cap) if pro.name == "LL" else b
 
+    lat_scale = lat_scale * pr.latency_scale
+    tree_net = {pro.name: pro.net for pro in pr.tree}
+    one = np.asarray(per_node, dtype=np.float64) <= 1
     best = np.inf
     for pro in pr.ring:
-        lat = pro.base + (steps - net_steps) * pro.intra + net_steps * pro.net
+        net = np.where(one, tree_net.get(pro.name, pro.net), pro.net)
+        lat = pro.base + (steps - net_steps) * pro.intra + net_steps * net
         if ar and pro.name == "Simple":
             lat = lat * pr.ring_plateau
         best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / bus(pro, bw))
@@ -157,7 +162,7 @@ def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_no
         for pro in pr.ring:
             b = np.minimum(np.minimum(pro.bw_factor * bw, pr.channels * pro.per_channel[0]),
                            pr.ll_max[0] if pro.name == "LL" else np.inf)
-            inter = np.minimum(inter, (pro.base + pro.net) * lat_c + nb / b)
+            inter = np.minimum(inter, (pro.base + pro.net) * lat_c * pr.latency_scale + nb / b)
     return np.where(cross, inter, intra) + corr.collective_overhead_s
 
 

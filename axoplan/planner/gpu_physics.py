@@ -14,7 +14,8 @@ TFLOP = 1e12
 LATENCY_MODELS = ("per_step", "nccl")
 GB = 1e9
 # the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
-PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor"}
+PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor",
+                 "latency_scale"}
 PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
 # NCCL's tree correction by log2(bytes / 64), 64 B to 256 MB, per protocol (NVIDIA/nccl src/graph/tuning.cc
@@ -53,6 +54,8 @@ class Protocols:
     # on 2 nodes a tree's bus bandwidth is this x the ring's plateau: each node's NICs carry the buffer once
     # each way, where a ring's busbw convention assumes 2(p-1)/p of it over them
     two_node_tree_factor: float = 1.0
+    # measured time over NCCL's modelled latency on this network (a published sweep, or calibration's fit)
+    latency_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def _protocols(net: dict, rd) -> Protocols | None:
         rd.fail(f"{where}.channels", f"must be an integer, got {ch:g}")
     plateau = rd.num(d, "ring_plateau", where, default=1.0)
     two = rd.num(d, "two_node_tree_factor", where, default=1.0)
-    return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two)
+    return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two,
+                     rd.num(d, "latency_scale", where, default=1.0))
 
 
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
