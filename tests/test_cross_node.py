@@ -139,3 +139,20 @@ def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
     # 8 kB all-gather over 8 GPUs on 2 nodes: LL, 15 us + 7 kB / 20 GB/s; twice the latency with the scale
     assert across(q, "all_gather", 8e3, 8) == pytest.approx((30 + 7e3 / 20e9 / US) * US)
     assert across(p, "all_gather", 8e3, 8) == pytest.approx((15 + 7e3 / 20e9 / US) * US)
+
+
+def test_every_published_sweep_row_names_a_described_machine():
+    """benchmarks/collective_fidelity.py: each row of the sweeps in benchmarks/data has its machine's NIC
+    figure and network (else the benchmark could not predict it), and each file carries its source."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "collective_fidelity.py"
+    spec = importlib.util.spec_from_file_location("collective_fidelity", path)
+    cf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cf)
+    rows = cf.load_rows()
+    assert {r["machine"] for r in rows} <= set(cf.MACHINES) == set(cf.NETWORK)
+    assert len(cf.judged(rows)) > 150
+    for f in {r["file"] for r in rows}:
+        assert (cf.DATA / f).read_text().startswith("# ")
