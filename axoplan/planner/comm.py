@@ -332,12 +332,14 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
 
 
-def p2p_seconds(g: Groups, nbytes) -> np.ndarray:
-    """One point-to-point transfer between neighbouring pipeline stages: every rank of a stage sends at once
-    to its partner in the next, so the pair gets the bus bandwidth of a two-member group at the pipeline's
-    stride (across nodes, the node's NICs shared by the GPUs sending beside it) and one step's latency."""
-    on = np.asarray(g.size["p"]) > 1
-    return np.where(on, np.asarray(nbytes, dtype=np.float64) / g.busbw["p"] + g.latency["p"], 0.0)
+def stage_transfer_seconds(profile: MachineProfile, g: Groups, nbytes) -> np.ndarray:
+    """One point-to-point transfer between neighbouring pipeline stages (p2p_seconds): every rank of a stage
+    sends at once to its partner in the next, the pipeline's stride apart, so across nodes the pairs leaving a
+    node, min(stride, GPUs per node) of them, share its NICs; none without a pipeline."""
+    stride = np.asarray(g.stride["p"])
+    crosses = ~profile.group_inside(np.minimum(g.size["p"], 2), stride)
+    t = p2p_seconds(profile, nbytes, crosses, np.minimum(stride, profile.gpus_per_node))
+    return np.where(np.asarray(g.size["p"]) > 1, t, 0.0)
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,
