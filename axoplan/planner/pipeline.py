@@ -199,20 +199,15 @@ def rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, sen
 
 @functools.lru_cache(maxsize=1024)
 def peak_in_flight(schedule: str, pp: int, vpp: int, m: int) -> tuple:
-    """Per rank, the forwards of each virtual stage whose activations are live at the rank's peak (the moment
-    it has run the most forwards not yet back-propagated), as a tuple of V counts."""
+    """Per rank, the forwards of each virtual stage whose activations are live at the rank's peak (the first
+    moment it has run the most forwards not yet back-propagated), as a tuple of V counts."""
     V = pp * vpp
     out = []
-    for ops in rank_orders(schedule, pp, vpp, m):
-        live, best, n, top = [0] * V, [0] * V, 0, 0
-        for kind, v, _ in ops:
-            if kind == "F":
-                live[v] += 1
-                n += 1
-                if n > top:
-                    top, best = n, list(live)
-            else:
-                live[v] -= 1
-                n -= 1
-        out.append(tuple(best))
+    for seq in rank_sequences(schedule, pp, vpp, m):
+        fwd = seq < V * m
+        live = np.cumsum(np.where(fwd, 1, -1))
+        upto = seq[:int(np.argmax(live)) + 1]
+        v = upto % (V * m) // m
+        count = np.bincount(v[upto < V * m], minlength=V) - np.bincount(v[upto >= V * m], minlength=V)
+        out.append(tuple(int(x) for x in count))
     return tuple(out)

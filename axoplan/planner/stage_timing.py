@@ -21,7 +21,7 @@ from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.pipeline import SCHEDULES, rank_end_times, steady_cap
 from axoplan.planner.rows import distinct_rows
-from axoplan.planner.schedule import Schedule, Window
+from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import ModelSpec
 from axoplan.planner.timing import run_windows, strategy, timed
@@ -55,17 +55,23 @@ def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
 
 
 def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
+    """(kind, pass) -> (run_windows' parts, (compute of one block and one micro-batch's fixed windows, of a block),
+    the same for the collectives) of every stage kind; each window is timed once for all kinds."""
     out = {}
-    for kind, (first, last) in KINDS.items():
-        for name, p in (("forward", sched.forward), ("backward", sched.backward),
-                        ("backward_recompute", sched.backward_recompute)):
+    for name, p in (("forward", sched.forward), ("backward", sched.backward),
+                    ("backward_recompute", sched.backward_recompute)):
+        cache = {id(w): timed(w, side, overlap) for w in p.prefix + p.block + p.suffix}
+        t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
+        block_compute = sum(w.compute_s() for w in p.block)
+        block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
+        for kind, (first, last) in KINDS.items():
             st = p.stage(first, last)
             parts: dict = {}
-            run_windows([timed(w, side, overlap) for w in st.prefix], [timed(w, side, overlap) for w in st.block],
-                        [timed(w, side, overlap) for w in st.suffix], 1, overlap, overlap, None, side, parts)
-            compute = (st.total(1, Window.compute_s), sum(w.compute_s() for w in st.block))
-            colls = (st.total(1, lambda w: sum(c.seconds for c in w.collectives())),
-                     sum(sum(c.seconds for c in w.collectives()) for w in st.block))
+            run_windows([t(w) for w in st.prefix], [t(w) for w in p.block], [t(w) for w in st.suffix], 1, overlap,
+                        overlap, None, side, parts)
+            ends = st.prefix + st.suffix
+            compute = (sum(w.compute_s() for w in ends) + block_compute, block_compute)
+            colls = (sum(sum(c.seconds for c in w.collectives()) for w in ends) + block_colls, block_colls)
             out[kind, name] = (parts, compute, colls)
     return out
 
@@ -135,13 +141,22 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
     class Lazy:
         """An array as the flattened candidates see it, gathered only at the indices asked for (a broadcast
-        [2, h] view flattened would be copied whole)."""
+        [2, h] view flattened would be copied whole); indexed by an Index (the positions unravelled once)."""
 
         def __init__(self, x):
             self.x = np.broadcast_to(np.asarray(x), shape)
 
-        def __getitem__(self, idx):
-            return self.x[np.unravel_index(idx, shape)] if len(shape) > 1 else self.x[idx]
+        def __getitem__(self, at):
+            return self.x[at.where]
+
+    class Index(np.ndarray):
+        """Flat candidate indices that carry their unravelled positions."""
+
+        @staticmethod
+        def of(idx):
+            out = np.asarray(idx).view(Index)
+            out.where = np.unravel_index(idx, shape)
+            return out
 
     ckf = flat(ck)
     pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(sched.grad_acc)
@@ -185,6 +200,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
     def group(gi, idx, walk_it: bool):
         """The candidates idx of structure gi: walked, or their lower bound (bound_time)."""
+        idx = Index.of(idx)
         p_, v_, s_, _ = (int(x) for x in uniq[gi])
         V = p_ * v_
         q, r = divmod(L, V)
