@@ -85,6 +85,13 @@ def bad_char(s: str) -> str | None:
     return None
 
 
+def printable(s: str) -> str:
+    """s with every character bad_char refuses written as an escape (\\x1b): text from a run's log
+    or any other file reaches the terminal inert."""
+    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii") if bad_char(c) else c
+                   for c in s)
+
+
 def text(value: Any, name: str, allow_empty: bool = False) -> str:
     """A name, path or label: a string without control characters, of reasonable length."""
     if not isinstance(value, str):

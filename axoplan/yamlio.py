@@ -4,13 +4,16 @@ problem one sentence naming the file."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from axoplan import inputs
 from axoplan.errors import UserError
+from axoplan.inputs import bad_char
 
 MAX_BYTES = 4 * 2**20  # the largest bundled profile is 12 KiB; tables live in CSV files beside it
 MAX_DEPTH = 64  # profiles nest four levels; deeper is a mistake, and 100k levels would overflow the stack
@@ -59,7 +62,24 @@ def read_text(path: Any, where: str, max_bytes: int = MAX_BYTES) -> str:
         raise UserError(f"{where} is not UTF-8 text") from None
 
 
+# YAML 1.1 (PyYAML) reads 1e3 and 3E-5 as strings: its floats need a dot. People write exponents
+# without one (YAML 1.2 and JSON read them as numbers), so both loaders resolve those as floats too.
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _with_exponents(cls):
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789"))
+    return cls
+
+
+@_with_exponents
+class _Loader(_Loader):
+    pass
+
+
 _FAST = getattr(yaml, "CSafeLoader", None)  # libyaml: the same safe loader, in C
+if _FAST is not None:
+    _FAST = _with_exponents(type("_FastLoader", (_FAST,), {}))
 _OPEN = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
 _CLOSE = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
 
@@ -83,12 +103,35 @@ def _prescan(text: str) -> None:
                 raise UserError(f"holds more than {MAX_NODES:,} values; is it the right file?")
 
 
+def _check_text(node: Any, path: str) -> None:
+    """No text in a file may carry a control character (an escaped "\\e" or "\\x9b" in a quoted string
+    would reach the terminal raw when a name or device is printed); newlines and tabs stay allowed
+    in values (a description may span lines)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            p = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and bad_char(k) is not None:
+                raise UserError(f"has a key holding a control character ({inputs.show(k)})")
+            _check_text(v, p)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_text(v, f"{path}[{i}]")
+    elif isinstance(node, str):
+        c = bad_char(node.replace("\n", "").replace("\t", ""))
+        if c is not None:
+            what = "an undecodable character" if c > "\ud7ff" and c < "\ue000" else f"a control character ({c!r})"
+            raise UserError(f"field '{path or '(top level)'}' holds {what}; text in a file must be printable")
+
+
 def parse_yaml(text: str, where: str) -> Any:
     try:
         if _FAST is None:
-            return yaml.load(text, Loader=_Loader)  # a SafeLoader that refuses aliases and deep nesting
-        _prescan(text)
-        return yaml.load(text, Loader=_FAST)  # a safe loader; aliases and depth were refused above
+            data = yaml.load(text, Loader=_Loader)  # a SafeLoader that refuses aliases and deep nesting
+        else:
+            _prescan(text)
+            data = yaml.load(text, Loader=_FAST)  # a safe loader; aliases and depth were refused above
+        _check_text(data, "")
+        return data
     except UserError as e:
         raise UserError(f"{where} {e}") from None
     except yaml.YAMLError as e:

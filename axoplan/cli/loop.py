@@ -122,6 +122,11 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
                f"predicted {chosen['batch_time_s']:.4g} s per batch, {chosen['memory_gib']:.3g} GiB per GPU")
     for p in files.values():
         click.echo(f"wrote {p}")
+    from axoplan.loop.launch import env_summary
+
+    note = env_summary(profile)
+    if note:
+        click.echo(note)
     click.echo(f"run it: bash {shlex.quote(str(Path(out) / 'launch_torchrun.sh'))}")
 
 

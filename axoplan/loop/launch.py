@@ -82,6 +82,16 @@ def launch_env(profile) -> list[tuple[str, str, str]]:
     return env
 
 
+def env_summary(profile) -> str | None:
+    """One line naming what the launch scripts export from this profile (None if nothing): said before
+    anything runs, so a profile's environment never takes effect unseen."""
+    env = launch_env(profile)
+    if not env:
+        return None
+    return (f"the launch scripts export (unless already set) from machine '{profile.name}': "
+            + ", ".join(f"{k}={v}" for k, v, _ in env))
+
+
 def _env_lines(env) -> list[str]:
     lines = []
     for name, value, why in env:

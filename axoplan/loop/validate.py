@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from axoplan import inputs
 from axoplan.loop import validate_proc as P
 from axoplan.atomic import atomic_write_text
 from axoplan.errors import UserError
@@ -37,11 +38,13 @@ from axoplan.loop.launch import (
     TORCHRUN_NAME,
     _env_lines,
     config_from_row,
+    env_summary,
     is_cpu_profile,
     launch_env,
     nodes_for,
     write_run_dir,
 )
+from axoplan.planner.machine import load_profile
 from axoplan.planner.rank import COLUMNS
 from axoplan.loop.validate_files import (
     FINAL_STATUSES,
@@ -192,7 +195,7 @@ def error_line(text: str, limit: int = 300) -> str:
             break
     if pick is None:
         pick = lines[-1] if lines else "no output"
-    pick = " ".join(pick.split())
+    pick = inputs.printable(" ".join(pick.split()))  # a run's output may hold terminal escapes
     return pick if len(pick) <= limit else pick[:limit - 3] + "..."
 
 
@@ -433,6 +436,9 @@ def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[
     sw.check()
     out = Path(out)
     plan = plan_candidates(sw)  # before the folder is touched: a bad model or machine writes nothing
+    note = env_summary(load_profile(sw.machine))
+    if note:
+        echo(note)
     with P.SweepLock(out) as lock:
         lock.end_orphans(echo)
         _check_existing(sw, out, resume, plan)

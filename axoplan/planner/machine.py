@@ -409,9 +409,32 @@ def _note_local(name: str, path: Path) -> None:
     print(f"note: machine '{name}' is the local file {path}{shadow}", file=sys.stderr)
 
 
+# What a profile's launch.env may set: the communication libraries' and threading settings a network
+# needs, nothing that chooses which code runs (PATH, LD_PRELOAD, PYTHONPATH, BASH_ENV, ...). Within these
+# families a name that loads code or searches for it (NCCL_NET_PLUGIN, FI_PROVIDER_PATH) is refused too.
+LAUNCH_ENV_PREFIXES = ("NCCL_", "RCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "MPICH_", "CXI_", "HSA_",
+                       "MIOPEN_", "TORCH_DISTRIBUTED_")
+LAUNCH_ENV_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
+                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+_LAUNCH_ENV_CODE = ("PLUGIN", "PATH", "LIB", "PRELOAD")
+
+
+def launch_env_refusal(name: str) -> str | None:
+    """Why a profile may not set the environment variable `name`, or None if it may."""
+    if name in LAUNCH_ENV_NAMES:
+        return None
+    if not name.startswith(LAUNCH_ENV_PREFIXES):
+        return (f"is not a communication or threading setting a profile may set (allowed: names starting "
+                f"{', '.join(LAUNCH_ENV_PREFIXES)} or one of {', '.join(LAUNCH_ENV_NAMES)})")
+    if any(w in name for w in _LAUNCH_ENV_CODE):
+        return "names a plugin, library or search path, which would choose the code a run loads"
+    return None
+
+
 def _check_launch(section, rd: _Reader, where: str) -> None:
     """`launch: {env: {NAME: value}, source: ...}` reaches the emitted scripts: names must be shell
-    names and every text printable (a newline in `source` would end a script comment)."""
+    names a profile may set (launch_env_refusal) and every text printable (a newline in `source`
+    would end a script comment)."""
     if section is None:
         return
     if not isinstance(section, dict):
@@ -428,6 +451,9 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
 
     for k, v in env.items():
         env_name(k)
+        why = launch_env_refusal(k)
+        if why:
+            rd.fail(f"launch.env.{k}", why)
         if isinstance(v, (dict, list)):
             rd.fail(f"launch.env.{k}", "must be a single value")
         inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
