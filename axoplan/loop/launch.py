@@ -104,6 +104,17 @@ def _env_lines(env) -> list[str]:
     return lines
 
 
+def check_layout(gpus: int, profile) -> tuple[int, int]:
+    """(nodes, processes per node) the launch scripts start, refused in one sentence when they cannot
+    start exactly `gpus` ranks: more than one node's worth that is not a whole number of nodes."""
+    nodes, per = nodes_for(gpus, profile.gpus_per_node)
+    if nodes * per != gpus:
+        raise UserError(f"--gpus {gpus} is not a whole number of nodes of {profile.gpus_per_node} GPUs "
+                        f"(machine '{profile.name}'): the launch scripts start the same number of ranks on every "
+                        f"node; give at most {profile.gpus_per_node} or a multiple of {profile.gpus_per_node}")
+    return nodes, per
+
+
 def nodes_for(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, processes per node): full nodes of `gpus_per_node`, fewer on one node when G is smaller."""
     per = max(1, min(gpus, gpus_per_node))

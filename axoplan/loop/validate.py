@@ -37,11 +37,11 @@ from axoplan.loop.launch import (
     CONFIG_NAME,
     TORCHRUN_NAME,
     _env_lines,
+    check_layout,
     config_from_row,
     env_summary,
     is_cpu_profile,
     launch_env,
-    nodes_for,
     write_run_dir,
 )
 from axoplan.planner.machine import load_profile
@@ -357,8 +357,26 @@ def _check_existing(sw: Sweep, out: Path, resume: bool, plan: pd.DataFrame) -> N
         if list(old["candidate"]) != list(plan["candidate"]):
             raise UserError(f"--resume: the planner now ranks other candidates than the sweep in '{out}' "
                             f"(the profile or model changed); start a new sweep with another --out")
+        changed = _changed_prediction(old, plan)
+        if changed:
+            # results measured against one prediction must not be scored against another
+            raise UserError(f"--resume: the model or machine profile changed since the sweep in '{out}' began "
+                            f"({changed}); start a new sweep with another --out")
     if has_results:
         read_results(res_path, per_run=True)  # a file that is not results.csv stops us here, named
+
+
+_PREDICTED = ("batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib")
+
+
+def _changed_prediction(old: pd.DataFrame, new: pd.DataFrame) -> str | None:
+    """The first prediction of plan.csv the planner no longer makes (csv keeps floats to 1e-12), or None."""
+    for (_, a), (_, b) in zip(old.iterrows(), new.iterrows()):
+        for c in _PREDICTED:
+            x, y = float(pd.to_numeric(a[c], errors="coerce")), float(b[c])
+            if not (abs(x - y) <= 1e-9 * max(abs(x), abs(y))):
+                return f"candidate {b['candidate']}: {c} {x:.6g} then, {y:.6g} now"
+    return None
 
 
 def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
@@ -508,6 +526,7 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
     if sw.repeats > 1:
         raise UserError("--repeats is for sweeps run here: a Slurm array runs each candidate once")
     out = Path(out).resolve()
+    check_layout(sw.gpus, load_profile(sw.machine))  # each array task starts this many ranks on whole nodes
     plan = plan_candidates(sw)
     with P.SweepLock(out):
         _check_existing(sw, out, (out / SWEEP_FILE).exists(), plan)
@@ -520,7 +539,7 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
     from axoplan.planner.machine import load_profile
 
     profile = load_profile(sw.machine)
-    nodes, per = nodes_for(sw.gpus, profile.gpus_per_node)
+    nodes, per = check_layout(sw.gpus, profile)
     ids = list(plan["candidate"])
     where = "the sweep folder"
     about = [shell.comment(f"axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task."),
