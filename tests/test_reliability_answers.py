@@ -8,8 +8,8 @@ import json
 import os
 
 import pytest
-from conftest import one_sentence, run_cli
-from hypothesis import given, settings
+from conftest import one_sentence, profile_dict, run_cli
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from axoplan.errors import UserError
@@ -161,3 +161,74 @@ def test_a_preset_name_that_is_a_path_is_refused(tmp_path, capsys, monkeypatch):
         one_sentence(code, err)
         assert "unknown model" in err
     assert not (tmp_path / "run").exists()
+
+
+# ---- every key of a profile, at every level ------------------------------------------------------------
+def _key_paths(node, path=()):
+    """Every (path to a mapping, key) in a profile dict, through lists too."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("calibration",) or (path and path[-1] == "launch" and k == "env"):
+                continue
+            yield path, k
+            yield from _key_paths(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _key_paths(v, path + (i,))
+
+
+def _rename(d, path, key, new):
+    node = d
+    for p in path:
+        node = node[p]
+    node[new] = node.pop(key)
+
+
+FULL = profile_dict(collectives={"all_gather": {"bandwidth_scale": 1.0, "latency_scale": 1.0}},
+                    corrections={"gemm_scale": 1.0})
+PATHS = list(_key_paths(FULL))
+
+
+@pytest.mark.parametrize("path, key, typo", [(("memory",), "headroom_gib", "headroom_gb"),
+                                             (("compute", "gemm"), "dim_half", "dim_halff"),
+                                             (("compute", "attention"), "backward_factor", "backwrd_factor"),
+                                             (("network", "intra_node", "groups", 0), "stride", "strde")])
+def test_the_issue_misspellings_are_refused(write_profile, path, key, typo):
+    from axoplan.planner.machine import load_profile
+
+    d = profile_dict()
+    _rename(d, path, key, typo)
+    with pytest.raises(UserError, match=typo) as e:
+        load_profile(str(write_profile(raw=d, name="typo")))
+    assert f"did you mean '{key}'" in str(e.value)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(i=st.integers(0, len(PATHS) - 1), extra=st.sampled_from(["x", "_", "s", "2"]))
+def test_a_misspelled_key_at_any_level_is_refused(write_profile, i, extra):
+    import copy
+
+    from axoplan.planner.machine import load_profile
+
+    path, key = PATHS[i]
+    d = copy.deepcopy(FULL)
+    _rename(d, path, key, f"{key}{extra}")
+    with pytest.raises(UserError) as e:  # never loaded with a default in its place
+        load_profile(str(write_profile(raw=d, name="typo")))
+    assert f"{key}{extra}'" in str(e.value) or f"{key}' " in str(e.value), str(e.value)
+
+
+def test_the_declared_corrections_are_the_fitted_ones():
+    import dataclasses
+
+    from axoplan.planner.machine import CORRECTIONS_KEYS, Corrections
+
+    assert set(CORRECTIONS_KEYS) - {"source"} == {f.name for f in dataclasses.fields(Corrections)}
+
+
+@pytest.mark.parametrize("name", ["alps", "dgx-a100", "dgx-h100", "dgx-h200", "frontier", "localhost-cpu",
+                                  "perlmutter"])
+def test_every_bundled_profile_keeps_to_the_schema(name):
+    from axoplan.planner.machine import load_profile
+
+    load_profile(name)
