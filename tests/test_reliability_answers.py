@@ -5,6 +5,7 @@ they cannot honour; preset names are names, not paths."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -232,3 +233,52 @@ def test_every_bundled_profile_keeps_to_the_schema(name):
     from axoplan.planner.machine import load_profile
 
     load_profile(name)
+
+
+# ---- every quantity shown is finite ----------------------------------------------------------------
+NUMERIC_FIELDS = [("memory", "bandwidth_gbs"), ("memory", "elementwise_efficiency"), ("memory", "capacity_gib"),
+                  ("compute", "peak_tflops"), ("compute", "kernel_overhead_us"), ("compute", "gemm", "ceiling_tflops"),
+                  ("compute", "gemm", "dim_half"), ("compute", "attention", "tflops"),
+                  ("compute", "attention", "backward_factor"), ("network", "intra_node", "latency_us"),
+                  ("network", "intra_node", "groups", 0, "busbw_gbs"), ("network", "inter_node", "busbw_gbs"),
+                  ("network", "inter_node", "latency_us")]
+EXTREMES = [1e-300, 1e-30, 1e-12, 1e-9, 1e9, 1e12, 1e30, 1e300, 1e308]
+
+
+def _set(d, path, v):
+    node = d
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = v
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(NUMERIC_FIELDS), value=st.sampled_from(EXTREMES), fmt=st.sampled_from(["csv", "json"]))
+def test_rank_shows_only_finite_numbers_or_refuses_the_profile(write_profile, capsys, path, value, fmt):
+    d = profile_dict()
+    _set(d, path, value)
+    if path[-1] == "peak_tflops":  # the ceilings may not exceed the peak: scale them along
+        d["compute"]["gemm"]["ceiling_tflops"] = d["compute"]["attention"]["tflops"] = min(value, 280)
+    prof = write_profile(raw=d, name="extreme")
+    code, out, err = run_cli(["rank", "--model", "gpt-tiny", "--machine", str(prof), "--gpus", "4",
+                              "--global-batch", "8", "--format", fmt], capsys)
+    if code != 0:
+        one_sentence(code, err)
+        return
+    if fmt == "json":
+        rows = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON token {c}"))
+        values = [r[k] for r in rows for k in ("batch_time_s", "comm_s", "exposed_comm_s", "pct_of_peak")]
+        assert all(v is not None and math.isfinite(v) for v in values), rows[0]
+    else:
+        body = out.lower()
+        assert "inf" not in body and "nan" not in body, out[:300]
+
+
+def test_an_attention_throughput_above_the_peak_is_refused(write_profile):
+    from axoplan.planner.machine import load_profile
+
+    d = profile_dict()
+    d["compute"]["attention"]["throughput"] = [{"seq": 64, "head_dim": 8, "fwd_tflops": 400, "bwd_tflops": 100,
+                                                "source": "test"}]
+    with pytest.raises(UserError, match="above compute.peak_tflops"):
+        load_profile(str(write_profile(raw=d, name="attn")))

@@ -514,6 +514,10 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
         inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
 
 
+# the range of every nonzero number in a profile, in its own units (GB/s, TFLOP/s, GiB, us, ratios)
+MIN_NUMBER, MAX_NUMBER = 1e-9, 1e9
+
+
 class _Reader:
     """Reads numbers with their sources, naming the file and field in every error."""
 
@@ -554,6 +558,12 @@ class _Reader:
             self.fail(full, f"must be a finite number, got {inputs.show(v)}")
         if not np.isfinite(v) or v < 0 or (positive and not allow_zero and v == 0):
             self.fail(full, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
+        if v > MAX_NUMBER or (positive and not allow_zero and v < MIN_NUMBER):
+            # 1e-300 GB/s (a divisor) or a dim_half of 1e308 makes every time inf or nan downstream, and
+            # 1e300 TFLOP/s overflows on conversion: no machine quantity in the profile's units lies out here
+            # (a quantity that may be zero, an overhead or latency, is only added: tiny is harmless)
+            self.fail(full, f"must be {'between ' + format(MIN_NUMBER, 'g') + ' and' if not allow_zero else 'at most'} "
+                            f"{MAX_NUMBER:g} in its units, got {v:g}")
         return v
 
 
