@@ -92,6 +92,13 @@ def read_results(path: str | Path, per_run: bool = False) -> pd.DataFrame:
     head = rows[0]
     good = [r for r in rows[1:] if len(r) == len(head) and r[head.index("status")] in STATUSES]
     df = pd.DataFrame(good, columns=head)
+    # the cells as written, for messages: the numeric and boolean columns below lose what was there
+    df["measured_time_text"] = df["measured_time_s"].astype(str)
+    for c in ("checkpointing", "feasible"):
+        if c in df:
+            bad = ~df[c].astype(str).str.strip().str.lower().isin(("true", "false", "1", "0", ""))
+            if bad.any():
+                raise UserError(f"results file '{p}': column {c} holds {df[c][bad].iloc[0]!r}, not true or false")
     for c in _NUMERIC:
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", np.nan), errors="coerce")
