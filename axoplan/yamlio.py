@@ -39,15 +39,54 @@ class _Loader(yaml.SafeLoader):
             self._depth -= 1
 
 
+def read_bytes(path: str | Path, where: str, max_bytes: int = MAX_BYTES, tail: bool = False) -> bytes:
+    """The one way axoplan reads a file a user can put in its place: refused in one sentence unless it
+    is a regular file (a FIFO would block forever, /dev/zero never ends, a folder is not a file) of at
+    most max_bytes; with tail, the last max_bytes of a longer one (a log whose last line matters).
+    Opened without blocking and checked on the open descriptor, so nothing swapped in between is read.
+    A missing file raises FileNotFoundError (callers word "not there yet" their own way)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UserError(f"cannot read {where}: {(e.strerror or str(e)).lower()}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{where} is not a regular file")
+        if st.st_size > max_bytes:
+            if not tail:
+                raise UserError(f"{where} is larger than {_size(max_bytes)}; is it the right file?")
+            os.lseek(fd, st.st_size - max_bytes, os.SEEK_SET)
+        chunks, left = [], max_bytes + 1  # one byte more: a file that grew while read is still caught
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 20))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    except OSError as e:
+        raise UserError(f"cannot read {where}: {(e.strerror or str(e)).lower()}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        if not tail:
+            raise UserError(f"{where} is larger than {_size(max_bytes)}; is it the right file?")
+        data = data[-max_bytes:]
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**30} GiB" if n >= 2**30 and n % 2**30 == 0 else f"{n // 2**20} MiB"
+
+
 def read_text(path: Any, where: str, max_bytes: int = MAX_BYTES) -> str:
     """A file's text: refused in one sentence if unreadable, too large, binary or not UTF-8."""
     try:
         if isinstance(path, (str, Path)):
-            if not stat.S_ISREG(os.stat(path).st_mode):
-                # a FIFO would block forever, a device never ends, a folder is not a file
-                raise UserError(f"{where} is not a regular file")
-            with open(path, "rb") as f:
-                data = f.read(max_bytes + 1)
+            data = read_bytes(path, where, max_bytes)
         else:  # a packaged resource (importlib.resources)
             data = path.read_bytes()
     except OSError as e:

@@ -282,3 +282,17 @@ def test_an_attention_throughput_above_the_peak_is_refused(write_profile):
                                                 "source": "test"}]
     with pytest.raises(UserError, match="above compute.peak_tflops"):
         load_profile(str(write_profile(raw=d, name="attn")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seconds=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**12)))
+def test_the_slurm_time_limit_is_a_time_or_one_sentence(seconds):
+    from axoplan.slurm import slurm_time
+
+    try:
+        t = slurm_time(seconds)
+    except UserError as e:
+        assert "\n" not in str(e) and not (math.isfinite(seconds) and seconds <= 365 * 86400)
+    else:
+        h, m, s = map(int, t.split(":"))
+        assert h * 3600 + m * 60 + s >= seconds

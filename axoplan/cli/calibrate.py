@@ -171,8 +171,11 @@ def _commit(staging: Path, results: Path) -> None:
 
 def _last_error_line(log_path: Path) -> str:
     try:
-        lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
-    except OSError:
+        from axoplan.yamlio import read_bytes
+
+        text = read_bytes(log_path, str(log_path), 16 << 20, tail=True).decode(errors="replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+    except (OSError, UserError):
         return ""
     # the first exception line a worker printed (torchrun's own ChildFailedError summary comes later)
     for line in lines:

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -237,11 +238,9 @@ def _stop_pending_dropped() -> None:
 def _read_tail(path: Path, cap: int = 16 << 20) -> str:
     """The last cap bytes of a log (the summary is its last line): a log grown huge, or a device in
     its place, is never read whole."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > cap:
-            f.seek(size - cap)
-        return f.read(cap).decode(errors="replace")
+    from axoplan.yamlio import read_bytes
+
+    return read_bytes(path, f"the run log '{path}'", cap, tail=True).decode(errors="replace")
 
 
 def run_one(run_dir: Path, gpus: int, timeout_s: float,
@@ -255,8 +254,12 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     lock = P.active()
     t0 = time.monotonic()
     try:
+        # the run folder is the sweep's own: a FIFO, device or link in run.log's place (which would block
+        # the open or send the log elsewhere) is removed, and the log is a new regular file
+        if os.path.lexists(log_path) and not stat.S_ISREG(os.lstat(log_path).st_mode):
+            os.unlink(log_path)
         # unbuffered: nothing of ours is left to flush at close, where a full disk would raise
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         return _infra(f"cannot write {LOG_NAME}: {(e.strerror or str(e)).lower()}")
     try:
@@ -586,11 +589,9 @@ def _collect(sw: Sweep, plan: pd.DataFrame, out: Path, echo: Callable[[str], Non
         text = ""
         for p in [run_dir / LOG_NAME] + sorted((out / "runs").glob(f"slurm-*_{i}.out")):
             try:
-                text += p.read_text(errors="replace") + "\n"
+                text += _read_tail(p) + "\n"  # a FIFO or /dev/zero in its place is refused, not read
             except FileNotFoundError:
                 pass
-            except OSError as e:
-                raise UserError(f"cannot read the run log '{p}': {(e.strerror or str(e)).lower()}") from None
         if not text.strip():
             missing.append(row["candidate"])
             res = RunResult(None, INFRA, "no run log: not run yet, or its output was lost", 0.0)

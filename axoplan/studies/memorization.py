@@ -46,6 +46,7 @@ from axoplan.atomic import (
     write_files,
 )
 from axoplan.errors import UserError
+from axoplan.yamlio import read_bytes
 
 SUFFIX = 50  # tokens decoded and compared per document (the goldfish paper's setting)
 LOSSES = ("standard", "goldfish")
@@ -159,6 +160,9 @@ def stdlib_texts() -> list[tuple[str, bytes]]:
     return out
 
 
+MAX_DOCUMENT_BYTES = 256 * 2**20  # one text file of the --docs folder
+
+
 def folder_texts(path: str) -> list[tuple[str, bytes]]:
     """The bytes of a text file, or of every file under a folder (sorted, hidden files skipped)."""
     p = Path(path)
@@ -172,7 +176,7 @@ def folder_texts(path: str) -> list[tuple[str, bytes]]:
             name = str(f.relative_to(p)) if p.is_dir() else f.name
             # a file name need not be UTF-8: its bytes escaped, so every output can name the document
             name = inputs.printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
-            out.append((name, f.read_bytes()))
+            out.append((name, read_bytes(f, f"document '{f}'", MAX_DOCUMENT_BYTES)))
         except OSError as e:
             raise UserError(f"cannot read document '{f}': {e.strerror or e}") from None
     return out
