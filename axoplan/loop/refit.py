@@ -460,7 +460,9 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     if not profile.path:
         raise UserError("refit needs a profile read from a YAML file")
     src = Path(profile.path)
-    d = yaml.safe_load(src.read_text())
+    from axoplan.yamlio import load_yaml
+
+    d = load_yaml(src, f"machine profile '{src}'")  # read again as the user wrote it: the same checked reader
     name = out.stem
     today = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
     d["name"] = name
