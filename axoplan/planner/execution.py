@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from axoplan.errors import UserError
+from axoplan import inputs
 from axoplan.runconfig import Overlap
 from axoplan.yamlio import load_yaml
 
@@ -235,7 +236,7 @@ CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elemen
 def _check(e: Execution, where: str) -> Execution:
     for name, allowed in CHOICES.items():
         if getattr(e, name) not in allowed:
-            raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not '{getattr(e, name)}'")
+            raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not {inputs.show(getattr(e, name))}")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e
@@ -259,12 +260,12 @@ def load_execution(name_or_path: str | Execution | None) -> Execution:
     if not isinstance(data, dict):
         raise UserError(f"{s}: expected a mapping of execution fields at the top level")
     base = data.pop("base", "axoplan")
-    if base not in PRESETS:
-        raise UserError(f"{s}: base '{base}' is not a preset ({', '.join(PRESETS)})")
+    if not isinstance(base, str) or base not in PRESETS:
+        raise UserError(f"{s}: base {inputs.show(base)} is not a preset ({', '.join(PRESETS)})")
     known = {f.name: f.type for f in dataclasses.fields(Execution)}
     for k, v in data.items():
         if k not in known:
-            raise UserError(f"{s}: unknown field '{k}' (known: base, {', '.join(known)})")
+            raise UserError(f"{s}: unknown field {inputs.show(k)} (known: base, {', '.join(known)})")
         if (known[k] == "bool") != isinstance(v, bool) or (known[k] == "str" and not isinstance(v, str)):
             raise UserError(f"{s}: field '{k}' must be {'true or false' if known[k] == 'bool' else 'a string'}")
     return _check(dataclasses.replace(PRESETS[base], **{"name": p.stem, "source": f"{s} (base {base})", **data}), s)

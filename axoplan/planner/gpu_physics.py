@@ -99,7 +99,12 @@ def parse(d: dict, rd) -> GpuPhysics:
             seq, hd = rd.num(r, "seq", p), rd.num(r, "head_dim", p)
             if seq in by_hd.get(hd, {}):
                 rd.fail(p, f"repeats seq {seq:g} at head_dim {hd:g}")
-            by_hd.setdefault(hd, {})[seq] = (rd.num(r, "fwd_tflops", p) * TFLOP, rd.num(r, "bwd_tflops", p) * TFLOP)
+            fwd, bwd = rd.num(r, "fwd_tflops", p), rd.num(r, "bwd_tflops", p)
+            peak = rd.num(comp, "peak_tflops", "compute")
+            if max(fwd, bwd) > peak * (1 + 1e-9):  # as for the GEMM ceiling: a unit or copy mistake
+                rd.fail(p, f"({max(fwd, bwd):g} TFLOP/s) is above compute.peak_tflops ({peak:g}); no kernel runs "
+                           f"faster than the peak")
+            by_hd.setdefault(hd, {})[seq] = (fwd * TFLOP, bwd * TFLOP)
         rates = tuple((hd, tuple(np.log2(sorted(v)).tolist()), tuple(v[s][0] for s in sorted(v)),
                        tuple(v[s][1] for s in sorted(v))) for hd, v in sorted(by_hd.items()))
     model = net.get("latency_model", "per_step") if isinstance(net, dict) else "per_step"

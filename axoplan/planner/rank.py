@@ -48,19 +48,41 @@ def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
 def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile) -> dict:
     """The rows `idx` as numpy columns, COLUMNS in order; `rank` counts rows from 1 and means
     nothing where `feasible` is false (the DataFrame holds NA there)."""
-    tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
-    return {
-        "rank": np.arange(1, len(idx) + 1),
-        "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
-        "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
-        "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
-        "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
-        "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
-        "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
-        "pp": c.pp[idx], "vpp": c.vpp[idx], "schedule": np.array(SCHEDULES)[c.schedule[idx]],
-        "bubble_s": np.broadcast_to(ev.bubble, np.shape(ev.batch_time))[idx],
-        "batch_time_exact": np.broadcast_to(ev.exact, np.shape(ev.batch_time))[idx],
-    }
+    with np.errstate(all="ignore"):  # a non-finite result is refused below, by name
+        tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
+        cols = {
+            "rank": np.arange(1, len(idx) + 1),
+            "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
+            "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
+            "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
+            "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
+            "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
+            "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
+            "pp": c.pp[idx], "vpp": c.vpp[idx], "schedule": np.array(SCHEDULES)[c.schedule[idx]],
+            "bubble_s": np.broadcast_to(ev.bubble, np.shape(ev.batch_time))[idx],
+            "batch_time_exact": np.broadcast_to(ev.exact, np.shape(ev.batch_time))[idx],
+        }
+    _check_finite(cols, profile)
+    return cols
+
+
+_PREDICTIONS = ("batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak",
+                "bubble_s")
+
+
+def _check_finite(cols: dict, profile: MachineProfile) -> None:
+    """Every number shown for a feasible configuration is finite (the evaluation's output boundary): an
+    inf or nan comes from a profile number at an extreme, and is refused rather than ranked."""
+    ok = cols["feasible"]
+    for name in _PREDICTIONS:
+        v = np.asarray(cols[name], dtype=np.float64)[ok]
+        bad = ~np.isfinite(v) | ((v <= 0) if name in ("batch_time_s", "tflops_per_gpu") else False)
+        if bad.any():
+            i = int(np.nonzero(ok)[0][np.argmax(bad)])
+            raise UserError(f"machine profile '{profile.name}' gives {name} = {v[np.argmax(bad)]!r} for grid "
+                            f"{cols['gx'][i]}x{cols['gy'][i]}x{cols['gz'][i]}x{cols['gdata'][i]}: a number in it is at "
+                            f"an extreme its model cannot compute with (a bandwidth, throughput or efficiency near "
+                            f"zero, or a huge dim_half); check the profile")
 
 
 def _frame(columns: dict) -> pd.DataFrame:
