@@ -51,6 +51,15 @@ def test_world_of_one_trains_and_writes_metrics(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert (tmp_path / "run" / "final.pt").is_file()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    # --resume continues the same run (its id) from the newest checkpoint, up to the new --steps
+    r = _run(CLI + ["--config", str(tmp_path / "run.yaml"), "--steps", "5", "--lr", "3e-3", "--out",
+                    str(tmp_path / "run"), "--resume"])
+    assert r.returncode == 0, r.stderr
+    assert [x.split(" |")[0] for x in r.stdout.splitlines() if x.startswith("step ")] == ["step 5/5"]
+    more = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][len(lines):]
+    assert [(x["event"], x.get("step")) for x in more] == [("start", None), ("step", 4), ("checkpoint", 5),
+                                                          ("summary", None)]
+    assert more[0]["resumed_from_step"] == 4 and {x["run_id"] for x in more} == {lines[0]["run_id"]}
 
 
 @pytest.mark.parametrize("args, words", [

@@ -152,6 +152,8 @@ class Trainer:
         self.indices = local_indices(cfg.global_batch, grid.gdata, grid.gz, c.d, c.z)
         self.grad_acc = len(self.indices) // cfg.micro_batch
         self.peak = peak_tflops(cfg)
+        # useful model FLOP of one step, the planner's accounting (recomputation is not useful work)
+        self.step_flops = self.spec.flops_per_token(self.seq, recompute=False) * cfg.global_batch * self.seq
         self.step = 0  # the next step to train: where fit() continues (a resumed run starts past 0)
         self.records: list[dict] = []
         self.reporter: Reporter | None = None  # opened by the first fit(): dryrun and the proofs write nothing
@@ -288,7 +290,6 @@ class Trainer:
             raise UserError(f"nothing to train: the run is at step {self.step} and steps is {cfg.steps}")
         self.reporter.total_steps = end
         tokens = cfg.global_batch * self.seq
-        flops = self.spec.flops_per_token(self.seq, recompute=False) * tokens
         while self.step < end:
             step = self.step
             lr = self.set_lr(step)
@@ -298,7 +299,7 @@ class Trainer:
                        f"lower lr or lengthen lr_warmup_steps")
                 self.reporter.event("error", step=step, error=msg)
                 raise UserError(msg)
-            tflops = flops / dt / self.grid.size / 1e12
+            tflops = self.step_flops / dt / self.grid.size / 1e12
             rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr, "batch_time_s": dt,
                    "tokens_per_s": tokens / dt, "model_tflops_per_gpu": tflops,
                    "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
@@ -352,7 +353,7 @@ class Trainer:
         cfg, g = self.cfg, self.grid
         timed = self.records[cfg.timing_warmup_steps:] or self.records
         med = statistics.median(r["batch_time_s"] for r in timed)
-        tflops = self.spec.flops_per_token(self.seq) * cfg.global_batch * self.seq / med / g.size / 1e12
+        tflops = self.step_flops / med / g.size / 1e12
         return {"summary": True, "median_batch_time_s": med, "median_tokens_per_s": cfg.global_batch * self.seq / med,
                 "model_tflops_per_gpu": tflops, "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
                 "peak_memory_gib": max(r["peak_memory_gib"] for r in self.records),
