@@ -26,7 +26,9 @@ def test_config_schedule_decays_over_the_run_by_default():
     assert [config_lr(cfg, s) for s in range(4)] == pytest.approx([2.0, 1 + 2 ** -0.5, 1.0, 1 - 2 ** -0.5])
 
 
-def test_old_timing_warmup_key_reads_with_a_note(capsys):
+def test_old_timing_warmup_key_reads_with_a_note(capsys, monkeypatch):
+    for name in ("RANK", "SLURM_PROCID"):  # the note is rank 0's
+        monkeypatch.delenv(name, raising=False)
     cfg = config_from_dict({"warmup_steps": 3})
     assert cfg.timing_warmup_steps == 3
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -21,6 +22,14 @@ def check_environment(cfg) -> None:
     for key, what in (("metrics", "metrics file"), ("save", "save file")):
         if getattr(cfg, key):
             check_writable(cfg.path(getattr(cfg, key)), what)
+    folders = [("tensorboard", "TensorBoard folder")] + ([("checkpoint_dir", "checkpoint folder")]
+                                                         if cfg.checkpoint_every else [])
+    for key, what in folders:
+        folder = cfg.path(getattr(cfg, key))
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise UserError(f"{key}: {what} '{folder}' is a file; give a folder")
+        if folder:
+            check_writable(Path(folder) / "probe", what)  # the folder, or the first existing one above it
     if cfg.backend == "nccl":
         import torch
 

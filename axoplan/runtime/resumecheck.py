@@ -6,7 +6,9 @@ train to 6. Every loss and gradient norm must be equal bit for bit (gloo ranks, 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import sys
 import tempfile
@@ -32,7 +34,8 @@ def _train(cfg: LaunchConfig, steps: int | None = None) -> list[dict]:
     res = Resolved(torch.device("cpu"), "gloo", torch.float32, torch.float32, blas_tuning=False)
     trainer = Trainer(cfg, build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order), res)
     try:
-        trainer.fit(steps)
+        with contextlib.redirect_stdout(io.StringIO()):  # the step lines: only the verdict is printed
+            trainer.fit(steps)
         return trainer.records
     finally:
         trainer.close()
