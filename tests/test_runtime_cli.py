@@ -60,6 +60,8 @@ def test_world_of_one_trains_and_writes_metrics(tmp_path):
     assert [(x["event"], x.get("step")) for x in more] == [("start", None), ("step", 4), ("checkpoint", 5),
                                                           ("summary", None)]
     assert more[0]["resumed_from_step"] == 4 and {x["run_id"] for x in more} == {lines[0]["run_id"]}
+    # checkpoint_keep (default 2): the oldest went once the newest was complete
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
 
 
 @pytest.mark.parametrize("args, words", [

@@ -149,6 +149,23 @@ def test_resume_is_refused_on_another_grid(world_of_one, tmp_path):
                                        "resume": True, "out": str(tmp_path)}), 1)
 
 
+def test_only_complete_checkpoints_count(tmp_path):
+    pytest.importorskip("torch")
+    from axoplan.runtime.checkpoint import META, checkpoints
+
+    def folder(name, files):
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_text("{}")
+
+    folder("step_00000002", [META, ".metadata"])
+    folder("step_00000010", [META, ".metadata"])
+    folder(".step_00000012.tmp", [META, ".metadata"])  # a save that had not finished
+    folder("step_00000011", [".metadata"])  # no meta.json: not an axoplan checkpoint
+    folder("notes", [META, ".metadata"])
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_00000002", "step_00000010"]
+
+
 def test_resumed_runs_equal_uninterrupted_ones_bit_for_bit(tmp_path):
     pytest.importorskip("torch")
     from axoplan.runtime import resumecheck

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from axoplan.atomic import atomic_write_text, ensure_dir
 from axoplan.errors import UserError
@@ -118,6 +117,8 @@ def save(trainer, root: str | Path, meta: dict, keep: int) -> Path:
         ensure_dir(root)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
     _barrier(trainer)
+    import torch.distributed.checkpoint as dcp  # seconds to import (DTensor): only when a run checkpoints
+
     dcp.save(state_dict(trainer), checkpoint_id=str(tmp))  # returns once every rank's shards and the metadata are written
     if rank0:
         atomic_write_text(tmp / META, json.dumps({"format": FORMAT, **meta}, indent=1) + "\n")
@@ -139,6 +140,8 @@ def save(trainer, root: str | Path, meta: dict, keep: int) -> Path:
 
 def load(trainer, path: str | Path) -> dict:
     """Every rank calls this: its shards, AdamW state and RNG from the checkpoint. Returns meta.json."""
+    import torch.distributed.checkpoint as dcp
+
     meta = read_meta(path)
     sd = state_dict(trainer, create=True)
     dcp.load(sd, checkpoint_id=str(path))
