@@ -90,7 +90,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     limit = profile.mem_capacity - profile.mem_headroom
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
-    rules = divisibility_masks(model, job.global_batch, S, c)
+    # what the framework cannot express first: no divisibility or memory would make it run there
+    rules = execution.capability_masks(c) + divisibility_masks(model, job.global_batch, S, c)
     reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
     code = np.full(np.broadcast(ck, gx).shape, -1, dtype=np.int64)
     for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):

@@ -419,6 +419,7 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
     if "source" in section:
         inputs.text(section["source"] if isinstance(section["source"], str) else str(section["source"]),
                     f"{where}: field 'launch.source'", allow_empty=True)
+    _check_launch_slurm(section.get("slurm"), rd)
     env = section.get("env")
     if env is None:
         return
@@ -431,6 +432,27 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
         if isinstance(v, (dict, list)):
             rd.fail(f"launch.env.{k}", "must be a single value")
         inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
+
+
+def _check_launch_slurm(sl, rd: _Reader) -> None:
+    """`launch.slurm: {account, partition, qos, constraint, cpus_per_task, gpu_bind}` become #SBATCH directives
+    and srun options, which no shell quotes: plain words only."""
+    if sl is None:
+        return
+    from axoplan.slurm import SITE_KEYS, directive_safe
+
+    known = SITE_KEYS + ("cpus_per_task", "gpu_bind")
+    if not isinstance(sl, dict):
+        rd.fail("launch.slurm", f"must be a mapping of {', '.join(known)}")
+    for k, v in sl.items():
+        if k not in known:
+            rd.fail(f"launch.slurm.{k}", f"is not a Slurm option axoplan writes (known: {', '.join(known)})")
+        if k == "cpus_per_task":
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 4096:
+                rd.fail("launch.slurm.cpus_per_task", f"must be a whole number of CPUs from 1 to 4096, got {v!r}")
+        elif not isinstance(v, str) or not directive_safe(v.replace(",", "").replace(":", "").replace("&", "")
+                                                          .replace("|", "")):
+            rd.fail(f"launch.slurm.{k}", f"must be a plain word (letters, digits, . _ - / , : & |), got {v!r}")
 
 
 class _Reader:
