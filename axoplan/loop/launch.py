@@ -191,15 +191,18 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
     return slurm.script(lines, "an emitted script")
 
 
-def slurm_task_lines(profile, tasks_per_node: int) -> list[str]:
+def slurm_task_lines(profile, tasks_per_node: int, ranks_per_task: int = 1) -> list[str]:
     """CPUS_PER_TASK: the profile's launch.slurm.cpus_per_task, else the node's CPUs shared by its tasks (an
-    exclusive job owns the node); each task's threads follow it."""
+    exclusive job owns the node); each rank's threads are its share of them (a torchrun task starts
+    ranks_per_task ranks)."""
     fixed = slurm.site_options(profile).get("cpus_per_task")
     share = (str(int(fixed)) if fixed else
              f'$(( ${{SLURM_CPUS_ON_NODE:-{tasks_per_node}}} / {tasks_per_node} > 0 ? '
              f'${{SLURM_CPUS_ON_NODE:-{tasks_per_node}}} / {tasks_per_node} : 1 ))')
+    threads = ('"$CPUS_PER_TASK"' if ranks_per_task == 1 else
+               f'"$(( CPUS_PER_TASK / {ranks_per_task} > 0 ? CPUS_PER_TASK / {ranks_per_task} : 1 ))"')
     return [f'CPUS_PER_TASK="${{CPUS_PER_TASK:-{share}}}"',
-            '[[ -n "${OMP_NUM_THREADS:-}" ]] || export OMP_NUM_THREADS="$CPUS_PER_TASK"']
+            f'[[ -n "${{OMP_NUM_THREADS:-}}" ]] || export OMP_NUM_THREADS={threads}']
 
 
 def gpu_bind(profile, tasks_per_node: int) -> str:

@@ -95,6 +95,9 @@ class Execution:
     placement: str = ""
     # the pipeline schedules it has, space-separated ("" : no pipeline); read once candidates carry pp
     pipeline_schedules: str = "1f1b interleaved-1f1b"
+    # the micro-batch is split over the gx * gy tensor-parallel ranks (AxoNN's non-expert Linear layers gather
+    # their X x Y group's sequences), so it must be a multiple of gx * gy
+    micro_batch_over_tensor: bool = False
     source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
 
     @property
@@ -132,6 +135,11 @@ class Execution:
                         if self.placement.index(a) > self.placement.index(b):
                             bad |= (order == i) & (sizes[a] > 1) & (sizes[b] > 1)
             rules.append((bad, f"{self.name} places its axes {self.placement} (innermost first), not this order"))
+        if self.micro_batch_over_tensor:
+            tensor = np.asarray(c.gx) * np.asarray(c.gy)
+            rules.append((np.asarray(c.micro_batch) % tensor != 0,
+                          f"{self.name} splits each micro-batch over the gx*gy tensor-parallel ranks: micro-batch "
+                          "{micro_batch} is not a multiple of gx*gy={gx}*{gy}"))
         pp = getattr(c, "pp", None)
         if pp is not None:
             pp = np.asarray(pp)
@@ -261,7 +269,7 @@ PRESETS = {
     # what `emit --framework axonn` writes: AxoNN's own Linear layers and overlaps, the algorithm the bundled
     # trainer follows; its rank order is fixed (axonn/communication.py: column fastest, then row, then depth)
     "axonn": Execution(
-        "axonn", placement="xyz", pipeline_schedules="",
+        "axonn", placement="xyz", pipeline_schedules="", micro_batch_over_tensor=True,
         source="AxoNN 0.2.0 (axonn.init, axonn.intra_layer.Linear, optimize_communication) as `emit --framework "
                "axonn` writes it: the bundled trainer's algorithm (fp32 weights cast under autocast, OAR/ORS/OAG); "
                "ranks placed column (X) fastest, then row (Y), depth (Z), data (axonn/communication.py)"),
