@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from axoplan import inputs
-from axoplan.cli.plan import parse_grid
+from axoplan.cli.plan import parse_grid, parse_pp, pipeline_options
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 
@@ -37,32 +37,36 @@ def _command_line() -> str:
 
 # ---- emit -------------------------------------------------------------------------------------------
 def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None = None, grid=None, order=None,
-           micro_batch=None, checkpointing="both", execution=None):
+           micro_batch=None, checkpointing="both", execution=None, pp="all", vpp=None, schedule="all"):
     """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
     row of one grid (and order). The runner-up is the best row with another grid or order."""
     from axoplan.planner.rank import rank
     from axoplan.loop.validate import distinct_configs
 
     df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-              checkpointing=checkpointing, execution=execution)
+              checkpointing=checkpointing, execution=execution, pp=pp, vpp=vpp, schedule=schedule or "all")
     rows = df.to_dict("records")
     if grid is not None:
         gx, gy, gz, gd = grid
-        if gx * gy * gz * gd != gpus:
-            raise UserError(f"--grid {gx},{gy},{gz},{gd} multiplies to {gx * gy * gz * gd}, not --gpus {gpus}")
+        stages = 1 if pp == "all" else pp
+        if gx * gy * gz * gd * stages != gpus:
+            raise UserError(f"--grid {gx},{gy},{gz},{gd}" + (f" with --pp {stages}" if stages > 1 else "")
+                            + f" uses {gx * gy * gz * gd * stages} GPUs, not --gpus {gpus}")
         same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
-                and (order is None or r["order"] == order)]
+                and int(r.get("pp", 1)) == stages and (order is None or r["order"] == order)]
         if not same:
             from axoplan.planner.rank import explain
 
             ex = explain(model, machine, gpus, global_batch, grid, order=order or "xyz", seq_len=seq_len,
-                         micro_batch=micro_batch, execution=execution,
+                         micro_batch=micro_batch, execution=execution, pp=stages, vpp=vpp,
+                         schedule=None if schedule == "all" else schedule,
                          checkpointing=None if checkpointing == "both" else checkpointing == "on")
             reason = ex.summary["reason"][0]
             if reason:
                 raise UserError(f"grid {gx},{gy},{gz},{gd} (order {order or 'xyz'}) is not feasible: {reason}")
             # an order equivalent to one already listed (axes of size 1 take no place): use that row
-            same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)]
+            same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
+                    and int(r.get("pp", 1)) == stages]
             if not same:
                 raise UserError(f"grid {gx},{gy},{gz},{gd} is not among the ranked configurations")
         chosen = dict(same[0])
@@ -99,8 +103,9 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
               help="Write the run for this framework (docs/frameworks.md); axoplan: the bundled trainer.")
 @click.option("--execution", "-e", type=inputs.TEXT, default=None,
               help="Plan with this execution (default: the framework's own: axoplan, torchtitan, megatron-core, axonn).")
+@pipeline_options
 def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro_batch, checkpointing, steps,
-         warmup, out, framework, execution):
+         warmup, out, framework, execution, pp, vpp, pipeline_schedule):
     """Write a run folder for the best (or --rank K, or --grid) configuration: for the bundled trainer
     DIR/config.yaml, or for --framework its own files, with DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and
     DIR/README.txt."""
@@ -118,7 +123,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     g = parse_grid(grid) if grid is not None else None
     ex = framework_execution(framework, execution)
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
-                                      checkpointing, execution=ex)
+                                      checkpointing, execution=ex, pp=parse_pp(pp), vpp=vpp,
+                                      schedule=pipeline_schedule)
     profile = load_profile(machine)
     if framework != "axoplan":
         _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_len, ex, out, steps)

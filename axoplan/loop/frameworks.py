@@ -105,10 +105,10 @@ def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
     for mask, reason in execution.capability_masks(c):
         if mask[0]:
             cannot(framework, reason.format(gx=plan.gx, gy=plan.gy, gz=plan.gz, gdata=plan.gdata,
-                                            micro_batch=plan.micro_batch))
+                                            micro_batch=plan.micro_batch, pp=plan.pp, vpp=plan.vpp))
     if plan.schedule not in SCHEDULES:
         cannot(framework, f"no pipeline schedule '{plan.schedule}' (known: {', '.join(SCHEDULES)})")
-    if plan.pp > 1 and plan.schedule not in execution.pipeline_schedules.split():
+    if plan.pp > 1 and plan.schedule not in execution.pipeline_schedules:
         cannot(framework, f"it has no {plan.schedule} pipeline schedule"
                + (" (it has no pipeline parallelism)" if not execution.pipeline_schedules else ""))
     if plan.vpp > 1 and plan.schedule != "interleaved-1f1b":
@@ -222,7 +222,7 @@ FRAMEWORKS = {"torchtitan": "emit_torchtitan", "megatron": "emit_megatron", "axo
 EXECUTIONS = {"axoplan": "axoplan", "torchtitan": "torchtitan", "megatron": "megatron-core", "axonn": "axonn"}
 
 
-CAPABILITY = ("grid_axes", "placement", "pipeline_schedules", "micro_batch_over_tensor")
+CAPABILITY = ("grid_axes", "placement", "pipeline", "micro_batch_over_tensor")
 
 
 def framework_execution(framework: str, execution=None):
@@ -237,7 +237,8 @@ def framework_execution(framework: str, execution=None):
             raise UserError(f"the bundled trainer (--framework axoplan) runs only the 'axoplan' execution, not "
                             f"'{ex.name}'; choose the framework that runs it with --framework")
         return ex
-    return dataclasses.replace(ex, **{k: getattr(own, k) for k in CAPABILITY})
+    # the writers cut the model into equal (virtual) stages (torchtitan's layers_per_stage, Megatron's even split)
+    return dataclasses.replace(ex, **{k: getattr(own, k) for k in CAPABILITY}, pipeline_even_split=True)
 
 
 def writer(framework: str):

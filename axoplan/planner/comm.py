@@ -141,6 +141,12 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
     busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
     lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
     inside = {a: profile.group_inside(size[a], stride[a]) for a in size}
+    # the pipeline axis, outermost: a stage's rank sends to the rank of the next stage with the same coordinates
+    pp = np.asarray(c.pp)
+    size["p"], stride["p"] = pp, c.gx * c.gy * c.gz * c.gdata
+    pair = np.minimum(pp, 2)  # a transfer between stages is a pair of GPUs
+    busbw["p"], lat["p"] = profile.group_busbw(pair, stride["p"]), profile.group_latency(pair, stride["p"])
+    inside["p"] = profile.group_inside(pair, stride["p"])
     for name, axes in (("zd", "zd"), ("all", "xyzd")):
         size[name] = np.prod([size[a] for a in axes], axis=0)
         stride[name] = np.min([np.where(size[a] > 1, stride[a], np.iinfo(np.int64).max) for a in axes], axis=0)
@@ -232,6 +238,14 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
+
+
+def p2p_seconds(g: Groups, nbytes) -> np.ndarray:
+    """One point-to-point transfer between neighbouring pipeline stages: every rank of a stage sends at once
+    to its partner in the next, so the pair gets the bus bandwidth of a two-member group at the pipeline's
+    stride (across nodes, the node's NICs shared by the GPUs sending beside it) and one step's latency."""
+    on = np.asarray(g.size["p"]) > 1
+    return np.where(on, np.asarray(nbytes, dtype=np.float64) / g.busbw["p"] + g.latency["p"], 0.0)
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,

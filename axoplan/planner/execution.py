@@ -9,8 +9,8 @@ the element-wise work (compute.py) and memory (memory.py) read it, nothing else 
 writer (axoplan/loop/frameworks.py); `validate` runs the bundled trainer, which runs only `axoplan`.
 
 Besides the mechanisms, an execution says what its framework can express (`grid_axes`, `placement`,
-`pipeline_schedules`): `rank --execution X` marks every other candidate infeasible with the reason
-(capability_masks), so it ranks only what X can run.
+`pipeline`, `micro_batch_over_tensor`): `rank --execution X` marks every other candidate infeasible with the
+reason (capability_masks; the pipeline schedules it lacks are not enumerated), so it ranks only what X can run.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
+PIPELINE = ("none", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,25 @@ class Execution:
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)
     prefetch_into_recompute: bool = True
+    # the pipeline schedules the framework runs (pipeline.py): none; 1f1b; interleaved (1f1b and
+    # interleaved-1f1b). The bundled trainer runs no pipeline stages yet
+    pipeline: str = "none"
+    # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
+    # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
+    pipeline_even_split: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
     # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the
     # axes > 1 counts, as an axis of size 1 takes no place
     placement: str = ""
-    # the pipeline schedules it has, space-separated ("" : no pipeline); read once candidates carry pp
-    pipeline_schedules: str = "1f1b interleaved-1f1b"
     # the micro-batch is split over the gx * gy tensor-parallel ranks (AxoNN's non-expert Linear layers gather
     # their X x Y group's sequences), so it must be a multiple of gx * gy
     micro_batch_over_tensor: bool = False
     source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
+
+    @property
+    def pipeline_schedules(self) -> tuple:
+        return {"none": (), "1f1b": ("1f1b",), "interleaved": ("1f1b", "interleaved-1f1b")}[self.pipeline]
 
     @property
     def bundled(self) -> bool:
@@ -140,17 +149,6 @@ class Execution:
             rules.append((np.asarray(c.micro_batch) % tensor != 0,
                           f"{self.name} splits each micro-batch over the gx*gy tensor-parallel ranks: micro-batch "
                           "{micro_batch} is not a multiple of gx*gy={gx}*{gy}"))
-        pp = getattr(c, "pp", None)
-        if pp is not None:
-            pp = np.asarray(pp)
-            if not self.pipeline_schedules:
-                rules.append((pp > 1, f"{self.name} has no pipeline parallelism"))
-            sched = getattr(c, "schedule", None)
-            if sched is not None and self.pipeline_schedules:
-                names = getattr(c, "SCHEDULES", None)
-                if names is not None:  # an index into the candidates' schedule names
-                    ok = np.isin(np.asarray(sched), [i for i, n in enumerate(names) if n in self.pipeline_schedules.split()])
-                    rules.append(((pp > 1) & ~ok, f"{self.name} has no such pipeline schedule"))
         return rules
 
     def recomputed_flops_per_token(self, model, seq_len: int) -> float:
@@ -220,7 +218,9 @@ def op_selective(model) -> SelectiveRecompute:
 
 _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
                     "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
-                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); it fuses by default (its "
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); its pipeline runs 1F1B or, with "
+                    "--num-layers-per-virtual-pipeline-stage, the interleaved 1F1B of Narayanan et al. 2021, the "
+                    "layers split evenly over the (virtual) stages; it fuses by default (its "
                     "arguments only offer opt-outs: --no-bias-gelu-fusion, --no-bias-dropout-fusion, "
                     "--no-persist-layer-norm; Transformer Engine's LayerNormLinear fuses the norm into the "
                     "GEMM), but its vocab-parallel cross-entropy upcasts the logits to fp32 op by op (--cross-entropy-loss-fusion "
@@ -230,6 +230,7 @@ PRESETS = {
     "megatron-core": Execution(
         "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
+        pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
@@ -238,6 +239,7 @@ PRESETS = {
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
+        pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
@@ -260,16 +262,18 @@ PRESETS = {
                "'fused_crossentropy' loss (flash_attn.losses.cross_entropy); GELU one kernel, no rotary (ALiBi)"),
     "torchtitan": Execution(
         "torchtitan", sequence_parallel=True, recompute="op-selective", gradient_reduce="fp32",
+        pipeline="interleaved",
         grid_axes="yzd", placement="yzx",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
                "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather, "
                "gradients reduce-scattered in fp32: training.mixed_precision_reduce 'float32'); its "
                "default activation checkpointing, selective per op (activation_checkpoint.mode 'selective', "
-               "selective_ac_option 'op')"),
+               "selective_ac_option 'op'); pipeline stages on torch.distributed.pipelining (parallelism."
+               "pipeline_parallel_schedule 1F1B or Interleaved1F1B)"),
     # what `emit --framework axonn` writes: AxoNN's own Linear layers and overlaps, the algorithm the bundled
     # trainer follows; its rank order is fixed (axonn/communication.py: column fastest, then row, then depth)
     "axonn": Execution(
-        "axonn", placement="xyz", pipeline_schedules="", micro_batch_over_tensor=True,
+        "axonn", placement="xyz", micro_batch_over_tensor=True,
         source="AxoNN 0.2.0 (axonn.init, axonn.intra_layer.Linear, optimize_communication) as `emit --framework "
                "axonn` writes it: the bundled trainer's algorithm (fp32 weights cast under autocast, OAR/ORS/OAG); "
                "ranks placed column (X) fastest, then row (Y), depth (Z), data (axonn/communication.py)"),
@@ -278,9 +282,9 @@ PRESETS = {
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
-           "attention": ATTENTION}
+           "attention": ATTENTION, "pipeline": PIPELINE}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
-                  "first, or empty for any; pipeline_schedules: 1f1b and/or interleaved-1f1b, space-separated")
+                  "first, or empty for any; pipeline: which schedules it runs")
 
 
 def _check(e: Execution, where: str) -> Execution:
@@ -291,8 +295,6 @@ def _check(e: Execution, where: str) -> Execution:
         raise UserError(f"{where}: grid_axes must be distinct letters of x, y, z, d, not '{e.grid_axes}'")
     if e.placement and sorted(e.placement) != ["x", "y", "z"]:
         raise UserError(f"{where}: placement must be an order of x, y, z (innermost first) or empty, not '{e.placement}'")
-    if set(e.pipeline_schedules.split()) - {"1f1b", "interleaved-1f1b"}:
-        raise UserError(f"{where}: pipeline_schedules must name 1f1b and/or interleaved-1f1b, not '{e.pipeline_schedules}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e
