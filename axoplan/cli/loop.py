@@ -2,6 +2,7 @@
 and back to the profile. No torch here: runs are started as subprocesses."""
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -150,6 +151,8 @@ def _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_l
     m = load_model(model)
     job = Job(gpus, global_batch, seq_len or m.seq_len).validate()
     plan = Plan.from_row(chosen)
+    if ex.placement:  # an order equivalent to the framework's own (axes of size 1 take no place): named as its own
+        plan = dataclasses.replace(plan, order=ex.placement)
     files = write_framework_dir(out, framework, plan, m, job, profile, ex, portable_ref(model), chosen=chosen,
                                 command=_command_line(), steps=steps)
     click.echo(f"chose pp={plan.pp} gx={plan.gx} gy={plan.gy} gz={plan.gz} gdata={plan.gdata} order {plan.order}, "
