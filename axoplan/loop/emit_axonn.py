@@ -76,6 +76,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 PLAN = json.loads(Path(__file__).with_name("axonn_plan.json").read_text())
 
