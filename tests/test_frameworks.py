@@ -429,3 +429,28 @@ def test_log_readers_follow_the_frameworks_formats():
     assert len(steps) == 7 and steps[0][0] == 1  # the validation line is not a step
     assert run_logs.measured(tt, 64 * 8192, 16).seconds == pytest.approx(2.0)
     assert run_logs.measured("nothing here").seconds is None
+
+
+def test_the_torchrun_launchers_start_the_frameworks_entry_points(tmp_path, capsys):
+    """Each launcher with a stub interpreter: torchrun's options, the framework's entry point and its files,
+    the output appended to train.log; Megatron's says, in one line, that it needs MEGATRON_LM."""
+    stub = tmp_path / "py"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "NNODES": "1", "NPROC_PER_NODE": "16"}
+    for fw, expect in (("torchtitan", ["-m", "torchtitan.train", "--job.config_file"]),
+                       ("megatron", ["--tensor-model-parallel-size", "--micro-batch-size"]),
+                       ("axonn", ["train_axonn.py"])):
+        out, _ = emit(tmp_path, capsys, fw)
+        extra = {"MEGATRON_LM": str(tmp_path)} if fw == "megatron" else {}
+        r = subprocess.run(["bash", str(out / "launch_torchrun.sh")], env={**env, **extra}, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        words = r.stdout.splitlines()
+        assert words[:3] == ["-m", "torch.distributed.run", "--standalone"] and "16" in words
+        assert all(any(e in w for w in words) for e in expect), (fw, words)
+        assert (out / "train.log").read_text() == r.stdout
+        if fw == "megatron":
+            assert f"{tmp_path}/pretrain_gpt.py" in words
+            r = subprocess.run(["bash", str(out / "launch_torchrun.sh")], env=env, capture_output=True, text=True)
+            assert r.returncode == 2 and r.stderr.startswith("error: set MEGATRON_LM") and r.stderr.count("\n") == 1
