@@ -33,26 +33,45 @@ class Evaluation:
     bubble: np.ndarray | float = 0.0  # seconds the pipeline's slowest rank waits for its inputs
     memory_rank: np.ndarray | int = 0  # the pipeline rank whose memory is the job's (0 without a pipeline)
     micro_batches: np.ndarray | int = 1  # per step (per pipeline, or per GPU without one)
+    # the batch time walked (every candidate without a pipeline); False: a lower bound of it, for a pipelined
+    # candidate that cannot be among the best (evaluate's top)
+    exact: np.ndarray | bool = True
+
+
+# walked: every pipelined candidate whose lower bound is within this factor of the top-th best time
+TOP_SLACK = 1.25
 
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
-             blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN) -> Evaluation:
-    """Batch time, compute, communication, memory and feasibility of every candidate, as arrays."""
+             blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN,
+             top: int | None = None) -> Evaluation:
+    """Batch time, compute, communication, memory and feasibility of every candidate, as arrays.
+
+    top: only the best `top` feasible candidates need an exact time: a pipelined candidate is walked when its
+    lower bound (stage_timing.bound_time) is within TOP_SLACK of the top-th best time walked or computed, else
+    it keeps the bound and `exact` False (it cannot be among them). None: every candidate walked."""
     pipe = c.pp > 1
     if pipe.any() and not pipe.all():  # pipelined candidates are timed by walking their order: two evaluations
         a, b = np.nonzero(~pipe)[0], np.nonzero(pipe)[0]
-        return _merge(evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution),
-                      evaluate(model, profile, job, c.take(b), overlap, blas_tuning, explain, execution), a, b)
+        x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution)
+        known = x.batch_time[x.feasible]
+        return _merge(x, _evaluate_paired(model, profile, job, c.take(b), overlap, blas_tuning, explain, execution,
+                                          top, known), a, b)
+    return _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top)
+
+
+def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top, known=()):
     h = len(c) // 2
     paired = (not explain and h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any()
               and c.checkpointing[h:].all()
               and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
     with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
         if not paired:
-            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution)
+            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution, top,
+                             known)
         # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
         ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
-                       False, execution)
+                       False, execution, top, known)
 
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
@@ -60,7 +79,8 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
     mem = ev.memory.map(flat)
     return Evaluation(flat(ev.batch_time), flat(ev.compute), flat(ev.comm), flat(ev.exposed_comm), mem,
                       ev.memory_limit, flat(ev.feasible), flat(ev.reason_code), ev.reasons, flat(ev.flops_per_gpu),
-                      flat(ev.extrapolated), {}, flat(ev.bubble), flat(ev.memory_rank), flat(ev.micro_batches))
+                      flat(ev.extrapolated), {}, flat(ev.bubble), flat(ev.memory_rank), flat(ev.micro_batches),
+                      flat(ev.exact))
 
 
 def _merge(x: Evaluation, y: Evaluation, a: np.ndarray, b: np.ndarray) -> Evaluation:
@@ -82,11 +102,13 @@ def _merge(x: Evaluation, y: Evaluation, a: np.ndarray, b: np.ndarray) -> Evalua
                       put(x.feasible, y.feasible), put(x.reason_code, y.reason_code), x.reasons,
                       put(x.flops_per_gpu, y.flops_per_gpu), put(x.extrapolated, y.extrapolated), {},
                       put(x.bubble, y.bubble), put(x.memory_rank, y.memory_rank),
-                      put(x.micro_batches, y.micro_batches))
+                      put(x.micro_batches, y.micro_batches), put(np.broadcast_to(x.exact, np.shape(x.batch_time)),
+                                                                 np.broadcast_to(y.exact, np.shape(y.batch_time))))
 
 
 def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN) -> Evaluation:
+              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN, top: int | None = None,
+              known=()) -> Evaluation:
     """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
     S = job.seq_len
@@ -95,17 +117,6 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     T = (mb * S).astype(np.float64)
     sched = schedule.build(model, profile, job, c, ck, overlap, tuning, comm.place(profile, c), execution)
     piped = c.pipelined  # evaluate() hands over all pipelined candidates or none
-    bubble = 0.0
-    if piped:
-        pt = stage_timing.pipeline_step_time(profile, sched, model, c, execution, S, overlap)
-        timed_step = pt
-        batch, compute_total, comm_total, exposed, bubble = pt.batch, pt.compute, pt.comm, pt.exposed, pt.bubble
-    else:
-        timed_step = timing.step_time(profile, sched, overlap, explain)
-        batch = timed_step.batch
-        compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
-        comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
-        exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
     shard, replicated = sched.params.total, sched.replicated_elems
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -161,6 +172,22 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         code = np.where(mask, i, code)
     feasible = code < 0
 
+    # ---- time: the schedule's windows, walked through the pipeline's order where there is one ---------
+    bubble, exact = 0.0, True
+    if piped:
+        best = None if top is None else stage_timing.BestOf(top, known, np.broadcast_to(feasible, np.shape(code)),
+                                                             TOP_SLACK)
+        pt = stage_timing.pipeline_step_time(profile, sched, model, c, execution, S, overlap, best)
+        timed_step = pt
+        batch, compute_total, comm_total, exposed, bubble = pt.batch, pt.compute, pt.comm, pt.exposed, pt.bubble
+        exact = pt.exact
+    else:
+        timed_step = timing.step_time(profile, sched, overlap, explain)
+        batch = timed_step.batch
+        compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
+        comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
+        exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
+
     once = model.flops_per_token(S, recompute=False)
     flops_token = np.where(ck, once + execution.recomputed_flops_per_token(model, S), once)
     flops_gpu = flops_token * job.tokens_per_batch / job.gpus
@@ -168,7 +195,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     detail = {"schedule": sched, "time": timed_step} if explain else {}
     return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
                       sched.extrapolated, detail, np.broadcast_to(bubble, np.shape(batch)),
-                      np.broadcast_to(memory_rank, np.shape(batch)), np.broadcast_to(sched.grad_acc, np.shape(batch)))
+                      np.broadcast_to(memory_rank, np.shape(batch)), np.broadcast_to(sched.grad_acc, np.shape(batch)),
+                      np.broadcast_to(exact, np.shape(batch)))
 
 
 def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: np.ndarray, rank_kind: str,

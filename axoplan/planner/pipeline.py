@@ -49,46 +49,45 @@ def warmup_forwards(schedule: str, pp: int, vpp: int, m: int, rank: int) -> int:
     return min((vpp - 1) * pp + 2 * (pp - 1 - rank), m * vpp)
 
 
-def _rank_1f1b(pp: int, m: int, s: int) -> list:
-    w = warmup_forwards("1f1b", pp, 1, m, s)
-    ops = [("F", s, i) for i in range(w)]
-    for j in range(m):
-        ops.append(("B", s, j))
-        if w + j < m:
-            ops.append(("F", s, w + j))
-    return ops
+def _interleave(fwd: np.ndarray, bwd: np.ndarray, warmup: int) -> np.ndarray:
+    """A rank's order from its forwards and backwards in their own orders: `warmup` forwards, then one forward
+    and one backward alternately, then the remaining backwards."""
+    total = len(fwd)
+    pairs = np.stack([fwd[warmup:], bwd[:total - warmup]], axis=1).reshape(-1)
+    return np.concatenate([fwd[:warmup], pairs, bwd[total - warmup:]])
 
 
-def _rank_interleaved(pp: int, vpp: int, m: int, s: int) -> list:
-    """Forwards depth first over the rank's stages in rounds of pp micro-batches, backwards the same in reverse
-    stage order, one of each alternately after the warm-up."""
-    per_round = pp if m >= pp else m
-    w = warmup_forwards("interleaved-1f1b", pp, vpp, m, s)
-    total = m * vpp
-    done = {"F": {}, "B": {}}
+def rank_sequences(schedule: str, pp: int, vpp: int, m: int) -> list:
+    """Per pipeline rank, its operations in order as ids: kind * V * m + v * m + i (kind 0 forward, 1 backward,
+    virtual stage v, micro-batch i).
 
-    def op(kind: str, k: int) -> tuple:
-        chunk = (k // per_round) % vpp
-        v = (chunk if kind == "F" else vpp - 1 - chunk) * pp + s
-        i = done[kind].get(v, 0)
-        done[kind][v] = i + 1
-        return (kind, v, i)
-
-    ops = []
-    for step in range(total + w):
-        if step < total:
-            ops.append(op("F", step))
-        if step >= w:
-            ops.append(op("B", step - w))
-    return ops
+    1f1b: the rank's stage, micro-batches in order. interleaved: step k of the rank's forwards is micro-batch
+    (k // (r * vpp)) * r + k % r of its stage number (k // r) % vpp, r micro-batches a round (pp, or m when
+    fewer); its backwards the same over the stages in reverse."""
+    V = pp * vpp
+    out = []
+    for s in range(pp):
+        if schedule == "1f1b":
+            i = np.arange(m)
+            fwd, bwd = s * m + i, V * m + s * m + i
+        else:
+            r = pp if m >= pp else m
+            k = np.arange(m * vpp)
+            chunk, mb = (k // r) % vpp, (k // (r * vpp)) * r + k % r
+            fwd = (chunk * pp + s) * m + mb
+            bwd = V * m + ((vpp - 1 - chunk) * pp + s) * m + mb
+        w = warmup_forwards(schedule, pp, vpp, m, s)
+        # Schedule1F1B runs its w-th forward, then a backward first in each pair: w - 1 forwards, then pairs
+        out.append(_interleave(fwd, bwd, w - 1 if schedule == "1f1b" else w))
+    return out
 
 
 @functools.lru_cache(maxsize=256)
 def rank_orders(schedule: str, pp: int, vpp: int, m: int) -> tuple:
     """Per pipeline rank, its operations in order: ("F" | "B", virtual stage, micro-batch)."""
-    if schedule == "1f1b":
-        return tuple(tuple(_rank_1f1b(pp, m, s)) for s in range(pp))
-    return tuple(tuple(_rank_interleaved(pp, vpp, m, s)) for s in range(pp))
+    V = pp * vpp
+    return tuple(tuple(("B" if o >= V * m else "F", int(o % (V * m) // m), int(o % m)) for o in seq)
+                 for seq in rank_sequences(schedule, pp, vpp, m))
 
 
 @dataclass(frozen=True)
@@ -109,58 +108,52 @@ class Walk:
 
 @functools.lru_cache(maxsize=256)
 def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
-    orders = rank_orders(schedule, pp, vpp, m)
+    """The walk's index arrays: an operation's level is one more than the larger of its rank's previous one's
+    and its input's, found by advancing every rank whose next input is placed, all ranks at once."""
     V = pp * vpp
-    where = {}  # (kind, v, i) -> (rank, position)
-    for s, ops in enumerate(orders):
-        for k, op in enumerate(ops):
-            where[op] = (s, k)
-
-    def dependency(op):
-        kind, v, i = op
-        if kind == "F":
-            return ("F", v - 1, i) if v > 0 else None
-        return ("B", v + 1, i) if v < V - 1 else ("F", v, i)
-
-    level = {}
-    pos = [0] * pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:  # every rank advances while its next operation's input is already placed
-        progressed = False
-        for s, ops in enumerate(orders):
-            while pos[s] < len(ops):
-                op = ops[pos[s]]
-                dep = dependency(op)
-                if dep is not None and dep not in level:
-                    break
-                before = level[ops[pos[s] - 1]] if pos[s] else -1
-                level[op] = 1 + max(before, level[dep] if dep is not None else -1)
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
+    n = 2 * V * m
+    ids = np.arange(n)
+    kind, v = ids // (V * m), ids % (V * m) // m
+    dep = np.where(kind == 0, np.where(v > 0, ids - m, -1), np.where(v < V - 1, ids + m, ids - V * m))
+    seqs = rank_sequences(schedule, pp, vpp, m)
+    lens = np.array([len(q) for q in seqs])
+    table = np.full((pp, int(lens.max()) + 1), -1, dtype=np.int64)
+    for s, q in enumerate(seqs):
+        table[s, 1:len(q) + 1] = q  # column 0: no previous operation
+    level = np.full(n + 1, -1, dtype=np.int64)  # level[-1]: none, -1
+    ptr = np.ones(pp, dtype=np.int64)
+    ranks = np.arange(pp)
+    while True:
+        live = ptr <= lens
+        if not live.any():
+            break
+        op = np.where(live, table[ranks, np.minimum(ptr, table.shape[1] - 1)], n)
+        d = np.where(live, dep[np.minimum(op, n - 1)], -1)
+        ready = live & ((d < 0) | (level[d] >= 0))
+        if not ready.any():
             raise RuntimeError(f"the {schedule} order of pp={pp}, vpp={vpp}, m={m} deadlocks")
-    ordered = sorted(level, key=lambda op: level[op])
-    index = {op: j for j, op in enumerate(ordered)}
-    n = len(ordered)
-    prev = np.full(n, n, dtype=np.int64)
-    dep = np.full(n, n, dtype=np.int64)
-    row = np.empty(n, dtype=np.int64)
-    p2p = np.zeros(n, dtype=np.int64)
-    for op, j in index.items():
-        s, k = where[op]
-        if k:
-            prev[j] = index[orders[s][k - 1]]
-        d = dependency(op)
-        if d is not None:
-            dep[j] = index[d]
-            # a transfer where the input comes from another rank: always between stages when pp > 1
-            p2p[j] = 0 if d[0] == "F" and op[0] == "B" else (1 if op[0] == "F" else 2)
-        row[j] = op[1] + (V if op[0] == "B" else 0)
-    bounds = np.searchsorted([level[op] for op in ordered], np.arange(max(level.values()) + 2))
+        before = level[table[ranks, ptr - 1]]
+        lev = 1 + np.maximum(before, np.where(d >= 0, level[d], -1))
+        level[op[ready]] = lev[ready]
+        ptr += ready
+    level = level[:n]
+    ordered = np.argsort(level, kind="stable")
+    index = np.empty(n, dtype=np.int64)
+    index[ordered] = ids
+    prev_id = np.full(n, -1, dtype=np.int64)
+    for q in seqs:
+        prev_id[q[1:]] = q[:-1]
+    o = ordered
+    prev = np.where(prev_id[o] >= 0, index[np.maximum(prev_id[o], 0)], n)
+    dp = np.where(dep[o] >= 0, index[np.maximum(dep[o], 0)], n)
+    # a transfer where the input comes from another rank: a forward's from the stage before, a backward's from
+    # the stage after (the last stage's backward reads its own forward)
+    p2p = np.where(kind[o] == 0, np.where(v[o] > 0, 1, 0), np.where(v[o] < V - 1, 2, 0))
+    row = v[o] + V * kind[o]
+    bounds = np.searchsorted(level[o], np.arange(int(level.max()) + 2))
     levels = tuple(slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
-    last = np.array([index[ops[-1]] for ops in orders], dtype=np.int64)
-    return Walk(levels, prev, dep, row, p2p, last, n)
+    last = index[np.array([q[-1] for q in seqs])]
+    return Walk(levels, prev, dp, row, p2p, last, n)
 
 
 def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
@@ -174,23 +167,22 @@ def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
 
 
 def steady_cap(schedule: str, pp: int) -> tuple[int, int]:
-    """(micro-batches walked at most, the period in micro-batches of the walk's increments past them)."""
+    """(micro-batches walked at most, the period in micro-batches over which the walk's increment is taken)."""
     # the increments settle after a few rounds and then repeat with a period dividing 2 * pp (a cycle through
-    # the transfers around the pipeline; measured: 1, 2 and pp micro-batches)
-    return (6 if schedule == "1f1b" else 7) * pp + 4, 2 * pp
+    # the transfers around the pipeline; measured: 1, 2 and pp micro-batches); interleaved walks whole rounds
+    return (6 * pp + 4 if schedule == "1f1b" else 7 * pp), 2 * pp
 
 
 def walked(schedule: str, pp: int, m):
-    """The micro-batches the walk runs for m: m itself up to steady_cap, past it m less whole periods."""
-    cap, period = steady_cap(schedule, pp)
-    m = np.asarray(m)
-    return np.where(m <= cap, m, m - -(-(m - cap) // period) * period)
+    """The micro-batches the walk runs for m: m itself up to steady_cap, past it the cap."""
+    return np.minimum(m, steady_cap(schedule, pp)[0])
 
 
 def rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
     """[pp, n]: when each pipeline rank's last backward ends, for m micro-batches (per candidate; every one
     with the same walked(m)) of the given seconds ([2V, n]: forward then backward of each virtual stage) and
-    transfers ([2, n]: activation, gradient). Past steady_cap the walk of walked(m) continues by whole periods."""
+    transfers ([2, n]: activation, gradient). Past steady_cap the walk of the cap continues by the mean increment
+    of its last period: within one period's spread of the increments of the walk itself (tested)."""
     send = np.concatenate([np.zeros((1, seconds.shape[1])), send])
     m = np.asarray(m)
     cap, period = steady_cap(schedule, pp)
@@ -201,8 +193,8 @@ def rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, sen
     full = _walk(walk_plan(schedule, pp, vpp, w0), seconds, send)
     if not np.any(m > cap):
         return full
-    before = _walk(walk_plan(schedule, pp, vpp, w0 - period), seconds, send)
-    return full + (m - w0) / period * (full - before)
+    before = _walk(walk_plan(schedule, pp, vpp, cap - period), seconds, send)
+    return full + (m - cap) / period * (full - before)
 
 
 @functools.lru_cache(maxsize=1024)

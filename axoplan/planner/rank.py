@@ -22,9 +22,12 @@ from axoplan.planner.specs import Job, ModelSpec, load_model
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it
     import pandas as pd
 
+# with neither --top nor a limit: the pipelined candidates walked are those that can be among this many best
+WALKED_BY_DEFAULT = 100
+
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
-           "pp", "vpp", "schedule", "bubble_s"]
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact"]
 
 
 def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
@@ -56,6 +59,7 @@ def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachinePro
         "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
         "pp": c.pp[idx], "vpp": c.vpp[idx], "schedule": np.array(SCHEDULES)[c.schedule[idx]],
         "bubble_s": np.broadcast_to(ev.bubble, np.shape(ev.batch_time))[idx],
+        "batch_time_exact": np.broadcast_to(ev.exact, np.shape(ev.batch_time))[idx],
     }
 
 
@@ -152,7 +156,8 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     ex = load_execution(execution)
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch,
                         pipelines=_pipelines(ex, job, m, pp, vpp, schedule))
-    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
+    # a pipelined candidate's walk only where it can be among the best listed (the others keep its lower bound)
+    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex, top=top or WALKED_BY_DEFAULT)
     feas = np.nonzero(ev.feasible)[0]
     if len(feas) == 0 and not include_infeasible:
         raise _nothing_feasible(ev, c, m, p, job)
@@ -222,13 +227,15 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             vpp: int | None = None, schedule: str | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
     fastest feasible choice for this grid and order. pp > 1: the grid is each stage's (gx*gy*gz*gdata*pp =
-    gpus), schedule by default interleaved-1f1b where vpp > 1, else 1f1b."""
+    gpus), schedule by default interleaved-1f1b where vpp > 1, else 1f1b; "all": the fastest feasible schedule
+    and vpp the execution runs."""
     import pandas as pd
 
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ex = load_execution(execution)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     sched_name = schedule or ("interleaved-1f1b" if vpp is not None and vpp > 1 else "1f1b")
+    # schedule "all": the fastest feasible of the schedules (and virtual stages) the execution runs at this pp
     pipes = _pipelines(ex, job, m, pp, vpp, sched_name) if pp != 1 or vpp not in (None, 1) else [(1, 1, 0)]
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid), pipelines=pipes)
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)

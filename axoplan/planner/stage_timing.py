@@ -19,7 +19,8 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import SCHEDULES, rank_end_times, walked
+from axoplan.planner.pipeline import SCHEDULES, rank_end_times, steady_cap
+from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule, Window
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import ModelSpec
@@ -40,6 +41,7 @@ class PipelineTime:
     bubble: np.ndarray
     critical_rank: np.ndarray
     stage_seconds: dict  # (kind, pass) -> (prefix, block, last, suffix) seconds, as run_windows' parts
+    exact: np.ndarray  # walked; False: the batch is bound_time's lower bound (a candidate not worth walking)
 
 
 def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
@@ -88,9 +90,39 @@ def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Ca
     return dp, work.optimizer_seconds(profile, w + extra)
 
 
+@dataclass
+class BestOf:
+    """Which pipelined candidates to walk when only the best `top` feasible ones need exact times: first the
+    `top` with the smallest lower bounds; then every feasible one whose bound is within `slack` of the top-th
+    best time known (the candidates evaluated without a pipeline, `known`, and those walked). The top-th best of
+    a subset is never below the top-th best of all, so no candidate that can be among the best stays unwalked."""
+
+    top: int
+    known: np.ndarray
+    feasible: np.ndarray
+    slack: float
+
+    def first(self, bound: np.ndarray) -> np.ndarray:
+        ok = np.asarray(self.feasible).reshape(-1)
+        pick = np.zeros(len(bound), dtype=bool)
+        cand = np.nonzero(ok)[0]
+        if len(cand):
+            pick[cand[np.argsort(bound[cand], kind="stable")[:self.top]]] = True
+        return pick
+
+    def then(self, time: np.ndarray, exact: np.ndarray) -> np.ndarray:
+        ok = np.asarray(self.feasible).reshape(-1)
+        pool = np.concatenate([np.asarray(self.known, dtype=np.float64).reshape(-1), time[ok & exact]])
+        limit = np.inf if len(pool) < self.top else float(np.partition(pool, self.top - 1)[self.top - 1]) * self.slack
+        return ok & (time <= limit)
+
+
 def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
-                       seq_len: int, overlap: bool) -> PipelineTime:
-    """The batch time of pipelined candidates (every one has pp > 1), by walking each structure's order."""
+                       seq_len: int, overlap: bool, walk: BestOf | None = None) -> PipelineTime:
+    """The batch time of pipelined candidates (every one has pp > 1), by walking each structure's order.
+
+    walk: which candidates to walk when only the best need exact times (BestOf); the others keep their lower
+    bound (bound_time) and `exact` False. None: every candidate walked."""
     timing = strategy(profile)
     timing.retime(profile, sched)
     parts = _stage_parts(sched, timing.side_by_side, overlap)
@@ -101,6 +133,16 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     def flat(x):
         return np.broadcast_to(np.asarray(x), shape).reshape(-1)
 
+    class Lazy:
+        """An array as the flattened candidates see it, gathered only at the indices asked for (a broadcast
+        [2, h] view flattened would be copied whole)."""
+
+        def __init__(self, x):
+            self.x = np.broadcast_to(np.asarray(x), shape)
+
+        def __getitem__(self, idx):
+            return self.x[np.unravel_index(idx, shape)] if len(shape) > 1 else self.x[idx]
+
     ckf = flat(ck)
     pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(sched.grad_acc)
     L = model.n_layers
@@ -110,12 +152,12 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     for kind, (first, last) in KINDS.items():
         r = np.asarray(c.pp) - 1 if last else ranks[kind]
         dp, opt = _rank_step(profile, sched, model, c, ex, seq_len, rank_blocks(L, c.pp, c.vpp, r), first, last)
-        after[kind] = (flat(dp), flat(opt))
+        after[kind] = (Lazy(dp), Lazy(opt))
 
     # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
     flat_parts = {}
     for key, (pr, (c1, cb), (l1, lb)) in parts.items():
-        flat_parts[key] = [flat(x) for x in (pr["prefix"], pr["block"], pr["last"], pr["suffix"], c1, cb, l1, lb)]
+        flat_parts[key] = [Lazy(x) for x in (pr["prefix"], pr["block"], pr["last"], pr["suffix"], c1, cb, l1, lb)]
 
     def stage(kind, n, idx):
         """One micro-batch's (window seconds, compute, collectives) forward and backward on n blocks."""
@@ -129,52 +171,94 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1)))
         return out
 
-    batch, comp, colls, bubble, crit = (np.zeros(N) for _ in range(5))
     sends = flat(sched.p2p)
     # an infeasible interleaved step (micro-batches not a multiple of pp) is timed at the next multiple
     m = np.where(SCHEDULES.index("interleaved-1f1b") == sc, np.maximum(-(-m // pp) * pp, pp), m)
-    walk_m = np.empty_like(m)
-    for key in np.unique(np.stack([pp, sc], axis=1), axis=0):
-        sel = (pp == key[0]) & (sc == key[1])
-        walk_m[sel] = walked(SCHEDULES[int(key[1])], int(key[0]), m[sel])
-    keys = np.stack([pp, vpp, sc, walk_m], axis=1)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    for gi, (p_, v_, s_, _) in enumerate(uniq):
-        idx = np.nonzero(inv == gi)[0]
-        V = int(p_ * v_)
+    walk_m = np.zeros_like(m)
+    for s_ in range(len(SCHEDULES)):
+        cap = np.array([0] + [steady_cap(SCHEDULES[s_], p_)[0] for p_ in range(1, int(pp.max()) + 1)])
+        walk_m = np.where(sc == s_, np.minimum(m, cap[pp]), walk_m)
+    first_of, inv = distinct_rows(pp, vpp, sc, walk_m)
+    uniq = np.stack([pp, vpp, sc, walk_m], axis=1)[first_of]
+    out = {k: np.zeros(N) for k in ("batch", "comp", "colls", "bubble", "crit")}
+    exact = np.zeros(N, dtype=bool)
+
+    def group(gi, idx, walk_it: bool):
+        """The candidates idx of structure gi: walked, or their lower bound (bound_time)."""
+        p_, v_, s_, _ = (int(x) for x in uniq[gi])
+        V = p_ * v_
         q, r = divmod(L, V)
-        fwd, bwd, fcomp, fcoll = [], [], [], []
-        memo = {}
+        # each virtual stage is one of at most four (kind, blocks): evaluate those, then index them per stage
+        shapes, which = {}, np.empty(V, dtype=np.int64)
         for v in range(V):
-            kind = "first" if v == 0 else ("last" if v == V - 1 else "middle")
-            n = max(q + (v < r), 1)
-            if (kind, n) not in memo:
-                memo[kind, n] = stage(kind, n, idx)
-            (ft, fc, fl), (bt, bc, bl) = memo[kind, n]
-            fwd.append(ft), bwd.append(bt), fcomp.append(fc + bc), fcoll.append(fl + bl)
-        seconds = np.stack(fwd + bwd)
-        send = np.stack([sends[idx], sends[idx]])
-        ends = rank_end_times(SCHEDULES[int(s_)], int(p_), int(v_), m[idx], seconds, send)  # [pp, n]
-        kinds = ["first"] + ["middle"] * (int(p_) - 2) + ["last"]
-        finish = np.stack([ends[k] + after[kind][0][idx] + after[kind][1][idx] for k, kind in enumerate(kinds)])
-        rk = np.argmax(finish, axis=0)
-        batch[idx] = finish[rk, np.arange(len(idx))]
-        crit[idx] = rk
-        per_rank_work = np.stack([sum(seconds[v] + seconds[V + v] for v in range(k, V, int(p_)))
-                                  for k in range(int(p_))])
-        per_rank_comp = np.stack([sum(fcomp[v] for v in range(k, V, int(p_))) for k in range(int(p_))])
-        per_rank_coll = np.stack([sum(fcoll[v] for v in range(k, V, int(p_))) for k in range(int(p_))])
+            key = ("first" if v == 0 else ("last" if v == V - 1 else "middle"), max(q + (v < r), 1))
+            which[v] = shapes.setdefault(key, len(shapes))
+        per_shape = [stage(kind, n, idx) for kind, n in shapes]
+        fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
+        bwd_t = np.stack([b[0] for _, b in per_shape])[which]
+        comp_s = np.stack([f[1] + b[1] for f, b in per_shape])[which]
+        coll_s = np.stack([f[2] + b[2] for f, b in per_shape])[which]
+        seconds = np.concatenate([fwd_t, bwd_t])
         mm = m[idx].astype(np.float64)
+
+        def per_rank(x):  # [V, n] -> [pp, n]: a rank's virtual stages v, v + pp, ...
+            return x.reshape(v_, p_, -1).sum(axis=0)
+
+        per_rank_work = per_rank(fwd_t + bwd_t)
+        if walk_it:
+            send = np.stack([sends[idx], sends[idx]])
+            ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
+        else:
+            ends = bound_time(fwd_t[:p_], bwd_t[:p_], sends[idx], mm * per_rank_work)
+        kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
+        finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
+                                                                                        for k in kinds]]
+        rk = np.argmax(finish, axis=0)
         col = np.arange(len(idx))
+        per_rank_comp = per_rank(comp_s)
+        per_rank_coll = per_rank(coll_s)
         kind_idx = np.array([list(KINDS).index(k) for k in kinds])[rk]
         dp_c = np.choose(kind_idx, [after[k][0][idx] for k in KINDS])
         opt_c = np.choose(kind_idx, [after[k][1][idx] for k in KINDS])
-        bubble[idx] = ends[rk, col] - mm * per_rank_work[rk, col]
-        comp[idx] = mm * per_rank_comp[rk, col] + opt_c
-        colls[idx] = mm * per_rank_coll[rk, col] + dp_c + 2 * mm * int(v_) * sends[idx]
-    batch = batch + profile.corrections.step_overhead_s
-    exposed = np.maximum(batch - comp - bubble - profile.corrections.step_overhead_s, 0.0)
+        out["batch"][idx] = finish[rk, col]
+        out["crit"][idx] = rk
+        out["bubble"][idx] = np.maximum(ends[rk, col] - mm * per_rank_work[rk, col], 0.0)
+        out["comp"][idx] = mm * per_rank_comp[rk, col] + opt_c
+        out["colls"][idx] = mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
+        exact[idx] = walk_it
+
+    groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
+    overhead = profile.corrections.step_overhead_s
+    if walk is None:
+        for gi, idx in enumerate(groups):
+            group(gi, idx, True)
+    else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
+        for gi, idx in enumerate(groups):
+            group(gi, idx, False)
+        todo = walk.first(out["batch"] + overhead)
+        for round_ in range(2):
+            for gi, idx in enumerate(groups):
+                sel = idx[todo[idx] & ~exact[idx]]
+                if len(sel):
+                    group(gi, sel, True)
+            if round_ == 0:
+                todo = walk.then(out["batch"] + overhead, exact)
+    batch = out["batch"] + overhead
+    comp, colls, bubble = out["comp"], out["colls"], out["bubble"]
+    exposed = np.maximum(batch - comp - bubble - overhead, 0.0)
     stage_seconds = {k: v[0] for k, v in parts.items()}
     return PipelineTime(*(x.reshape(shape) for x in (batch, comp, colls, exposed, bubble)),
-                        crit.reshape(shape).astype(np.int64), stage_seconds)
+                        out["crit"].reshape(shape).astype(np.int64), stage_seconds, exact.reshape(shape))
+
+
+def bound_time(first_fwd, first_bwd, send, work) -> np.ndarray:
+    """[pp, n]: a lower bound of each pipeline rank's end (rank_end_times) from paths of the walk's order: rank
+    r starts once the first micro-batch's forward has crossed the ranks before it (their first virtual stages,
+    first_fwd[:r], and a transfer each) and then does all its work (work[r]); the first rank's last backward
+    also waits for rank r's last one to come back through them (first_bwd[:r]). Exact for identical stages
+    without transfers: (m + pp - 1)(F + B), the textbook bubble."""
+    pre_f = np.cumsum(np.concatenate([np.zeros((1,) + np.shape(send)), first_fwd[:-1] + send]), axis=0)
+    pre_b = np.cumsum(np.concatenate([np.zeros((1,) + np.shape(send)), first_bwd[:-1] + send]), axis=0)
+    ends = pre_f + work
+    ends[0] = np.max(ends + pre_b, axis=0)
+    return ends
