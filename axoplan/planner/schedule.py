@@ -330,4 +330,4 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
-                    comm.p2p_seconds(g, p2p_bytes))
+                    comm.stage_transfer_seconds(profile, g, p2p_bytes))
