@@ -245,7 +245,14 @@ def load_config(path: str | Path) -> LaunchConfig:
     p = Path(inputs.text(str(path), "--config"))
     where = f"config '{p}'"
     d = load_yaml(p, where)
-    return config_from_dict(d if d is not None else {}, where)
+    cfg = config_from_dict(d if d is not None else {}, where)
+    # a run folder names its copies of the model and profile relatively (emit): they are read from the
+    # config's own folder, wherever it was moved and whichever folder the trainer starts in
+    for name in ("model", "machine"):
+        v = getattr(cfg, name)
+        if v and v.endswith((".yaml", ".yml")) and not Path(v).is_absolute() and (p.parent / v).is_file():
+            setattr(cfg, name, str((p.parent / v).resolve()))
+    return cfg
 
 
 def example_config_yaml() -> str:

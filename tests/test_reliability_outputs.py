@@ -197,8 +197,11 @@ def test_emit_writes_its_files_under_the_folder_lock(tmp_path, capsys):
         assert list(out.iterdir()) == []
     t.join(60)
     assert finished.is_set()
-    assert sorted(p.name for p in out.iterdir()) == ["README.txt", "config.yaml", "launch_slurm.sbatch",
-                                                     "launch_torchrun.sh"]
+    # the four files, and the profile with its measured tables copied in (the folder can move)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["README.txt", "config.yaml", "launch_slurm.sbatch", "launch_torchrun.sh", "machine.yaml",
+         "machine_localhost-cpu_gemm.csv", "machine_localhost-cpu_attention.csv",
+         "machine_localhost-cpu_collectives.csv"])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file")

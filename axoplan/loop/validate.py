@@ -43,6 +43,7 @@ from axoplan.loop.launch import (
     env_summary,
     is_cpu_profile,
     launch_env,
+    python_default,
     write_run_dir,
 )
 from axoplan.planner.machine import load_profile
@@ -550,13 +551,14 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
                            f"{shell.quote(str(out), where)}")]
     lines = slurm.header(job_name="axoplan-validate", array=len(ids), nodes=nodes, ntasks=sw.gpus,
                          ntasks_per_node=per, gpus_per_node=None if is_cpu_profile(profile) else per,
-                         time_s=sw.timeout_s, log_dir=out / "runs", log_name="slurm-%A_%a.out", about=about)
+                         time_s=sw.timeout_s, log_dir=out / "runs", log_name="slurm-%A_%a.out", about=about,
+                         exclusive=True, site=slurm.site_options(profile))
     lines += ["# shellcheck disable=SC2016  # quoted paths are literal on purpose",
               f"OUT={shell.quote(str(out), where)}",
               "RUNS=(" + shell.join(ids, "a candidate name") + ")",
               'RUN_DIR="$OUT/runs/${RUNS[$SLURM_ARRAY_TASK_ID]}"',
               'cd "$RUN_DIR"',
-              'PYTHON="${PYTHON:-python3}"',
+              python_default(),
               slurm.head_node("MASTER_ADDR"),
               "export MASTER_ADDR",
               "# array tasks may share a node: one port each",
