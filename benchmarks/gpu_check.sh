@@ -50,7 +50,7 @@ import sys
 import yaml
 path, metrics = sys.argv[1], sys.argv[2]
 cfg = yaml.safe_load(open(path))
-cfg.update(steps=8, warmup_steps=3, metrics=metrics)
+cfg.update(steps=8, timing_warmup_steps=3, metrics=metrics, tensorboard=None)
 open(path, "w").write(yaml.safe_dump(cfg, sort_keys=False))
 EOF
     part train 180 "${AX[@]}" train --config "$OUT/run/config.yaml"

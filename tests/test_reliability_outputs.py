@@ -128,7 +128,7 @@ def test_refit_output_under_a_file_is_refused_before_the_fit(tmp_path, capsys):
 def test_train_metrics_that_cannot_be_written_are_refused_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")
-    (tmp_path / "c.yaml").write_text("model: gpt-tiny\nmetrics: afile/m.jsonl\nsteps: 1\nwarmup_steps: 0\n")
+    (tmp_path / "c.yaml").write_text("model: gpt-tiny\nmetrics: afile/m.jsonl\nsteps: 1\ntiming_warmup_steps: 0\n")
     code, _, err = run_cli(["train", "--config", "c.yaml"], capsys)
     one_sentence(code, err)
     assert "metrics" in err

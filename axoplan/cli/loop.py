@@ -120,7 +120,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     profile = load_profile(machine)
     machine_ref = str(Path(profile.path).resolve()) if profile.path else machine
     cfg = config_from_row(chosen, model, global_batch, seq_len, machine=machine_ref, steps=steps,
-                          warmup_steps=warmup)
+                          timing_warmup_steps=warmup)
     files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
                           candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
     click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "

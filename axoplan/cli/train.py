@@ -1,25 +1,35 @@
 """`axoplan train`: run the bundled 4D trainer on one LaunchConfig (under torchrun, srun, or alone
-for a world of one). torch is imported only inside the command."""
+for a world of one); the common keys can be overridden on the command line. torch is imported only
+inside the command."""
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
+from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.inputs import SafePath
 
 
 def check_environment(cfg) -> None:
     """What the config asks of this machine, checked on every rank before any process group: the
-    metrics file can be written, and NCCL has a GPU."""
+    outputs can be written, and NCCL has a GPU."""
     from axoplan.atomic import check_writable
 
-    if cfg.metrics:
-        check_writable(cfg.metrics, "metrics file")
-    if cfg.save:
-        check_writable(cfg.save, "save file")
+    for key, what in (("metrics", "metrics file"), ("save", "save file")):
+        if getattr(cfg, key):
+            check_writable(cfg.path(getattr(cfg, key)), what)
+    folders = [("tensorboard", "TensorBoard folder")] + ([("checkpoint_dir", "checkpoint folder")]
+                                                         if cfg.checkpoint_every else [])
+    for key, what in folders:
+        folder = cfg.path(getattr(cfg, key))
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise UserError(f"{key}: {what} '{folder}' is a file; give a folder")
+        if folder:
+            check_writable(Path(folder) / "probe", what)  # the folder, or the first existing one above it
     if cfg.backend == "nccl":
         import torch
 
@@ -28,23 +38,53 @@ def check_environment(cfg) -> None:
                             "use backend: gloo (or auto) on CPU")
 
 
+def apply_overrides(cfg, given: dict, where: str):
+    """The config with the options given on the command line in place of its keys, checked again."""
+    import dataclasses
+
+    from axoplan.runconfig import Grid
+
+    changes = {k: v for k, v in given.items() if v is not None}
+    if "grid" in changes:
+        from axoplan.cli.plan import parse_grid
+
+        changes["grid"] = Grid(*parse_grid(changes["grid"]))
+    return dataclasses.replace(cfg, **changes).validate(where) if changes else cfg
+
+
 @click.command("train")
-@click.option("--config", "config_path", type=SafePath(dir_okay=False), help="Run config YAML (a LaunchConfig).")
+@click.option("--config", "config_path", type=SafePath(dir_okay=False),
+              help="Run config YAML (a LaunchConfig); without it, the defaults of --print-config.")
 @click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
-def train(config_path, print_config):
-    """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
-    from axoplan.runconfig import example_config_yaml, load_config
+@click.option("--model", type=inputs.TEXT, help="Override model: a preset name or a model YAML.")
+@click.option("--grid", type=inputs.TEXT, help="Override grid: gx,gy,gz,gdata (their product is the ranks started).")
+@click.option("--steps", type=inputs.STEPS, help="Override steps (optimizer steps of the whole run).")
+@click.option("--lr", type=inputs.Number(lo=0, lo_open=True), help="Override lr (the peak learning rate).")
+@click.option("--global-batch", type=inputs.GLOBAL_BATCH, help="Override global_batch (sequences per step).")
+@click.option("--micro-batch", type=inputs.MICRO_BATCH, help="Override micro_batch (sequences per rank per micro-step).")
+@click.option("--seq-len", type=inputs.SEQ_LEN, help="Override seq_len.")
+@click.option("--out", type=SafePath(file_okay=False), help="Override out: the run folder (metrics, TensorBoard, "
+              "checkpoints).")
+@click.option("--log-every", type=inputs.STEPS, help="Override log_every (a readable line every N steps).")
+@click.option("--checkpoint-every", type=inputs.Count(0, inputs.MAX_STEPS),
+              help="Override checkpoint_every (a sharded checkpoint every N steps; 0: none).")
+@click.option("--resume", is_flag=True, default=None,
+              help="Continue from the newest checkpoint in checkpoint_dir (same grid); none yet: start at 0.")
+def train(config_path, print_config, **given):
+    """Run the bundled 4D-parallel trainer: a readable line every log_every steps, JSON records in the
+    metrics file, TensorBoard events and checkpoints under the run folder; options override the config."""
+    from axoplan.runconfig import LaunchConfig, example_config_yaml, load_config
 
     if print_config:
         click.echo(example_config_yaml(), nl=False)
         return
-    if not config_path:
-        raise UserError("give a run config with --config run.yaml (see 'axoplan train --print-config')")
     from axoplan.runtime.dist_env import read_env
 
     de = read_env()
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path) if config_path else LaunchConfig().validate("defaults")
+        cfg = apply_overrides(cfg, given, f"config '{config_path}' with the command-line options" if config_path
+                              else "the command-line options")
         from axoplan.runtime.train import check_config  # imports torch: after the cheap checks
 
         check_config(cfg, de.world_size, de.local_world_size)
@@ -55,11 +95,19 @@ def train(config_path, print_config):
     except UserError:
         # every rank read the same config and failed the same way: one sentence from rank 0 only,
         # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)
-        if de.rank != 0:
-            # torchrun stops all ranks when the first one exits: give rank 0 time to print
-            time.sleep(3)
-            sys.exit(2)
+        _quiet_exit_unless_rank0(de.rank)
         raise
     from axoplan.runtime.train import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except UserError:  # e.g. a non-finite loss: every rank stops at the same step, rank 0 says why
+        _quiet_exit_unless_rank0(de.rank)
+        raise
+
+
+def _quiet_exit_unless_rank0(rank: int) -> None:
+    if rank != 0:
+        # torchrun stops all ranks when the first one exits: give rank 0 time to print
+        time.sleep(3)
+        sys.exit(2)

@@ -27,14 +27,15 @@ def portable_ref(ref: str) -> str:
 
 
 def config_from_row(row, model: str, global_batch: int, seq_len: int | None = None, machine: str | None = None,
-                    steps: int = 10, warmup_steps: int = 2, **overrides) -> LaunchConfig:
+                    steps: int = 10, timing_warmup_steps: int = 2, **overrides) -> LaunchConfig:
     """The LaunchConfig of one ranked row (a mapping with gx, gy, gz, gdata, order, micro_batch,
     checkpointing, as axoplan.planner.rank.rank() returns)."""
     cfg = LaunchConfig(
         model=portable_ref(model),
         grid=Grid(int(row["gx"]), int(row["gy"]), int(row["gz"]), int(row["gdata"])),
         order=str(row["order"]), global_batch=int(global_batch), micro_batch=int(row["micro_batch"]),
-        seq_len=None if seq_len is None else int(seq_len), steps=int(steps), warmup_steps=int(warmup_steps),
+        seq_len=None if seq_len is None else int(seq_len), steps=int(steps),
+        timing_warmup_steps=int(timing_warmup_steps),
         checkpointing=bool(row["checkpointing"]), machine=machine)
     for k, v in overrides.items():
         if not hasattr(cfg, k):

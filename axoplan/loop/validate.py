@@ -394,7 +394,7 @@ def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
         recs = plan.to_dict("records")
         for i, row in enumerate(recs):
             cfg = config_from_row(row, sw.model, sw.global_batch, sw.seq_len, machine=machine_ref, steps=sw.steps,
-                                  warmup_steps=sw.warmup_steps)
+                                  timing_warmup_steps=sw.warmup_steps)
             runner_up = recs[1] if i == 0 and len(recs) > 1 else recs[0] if i > 0 else None
             write_run_dir(out / "runs" / row["candidate"], cfg, profile, row, runner_up,
                           command=f"axoplan validate (candidate {i + 1} of {len(recs)})",

@@ -50,9 +50,13 @@ INTER_NODE_KEYS = {"source": TEXT, "busbw_gbs": NUM, "latency_us": NUM}
 COLLECTIVE_SCALE_KEYS = {"bandwidth_scale": NUM, "latency_scale": NUM, "source": TEXT}
 COLLECTIVES_KEYS = {"source": TEXT, "all_gather": COLLECTIVE_SCALE_KEYS, "reduce_scatter": COLLECTIVE_SCALE_KEYS,
                     "all_reduce": COLLECTIVE_SCALE_KEYS}
+# NCCL's protocol model across nodes: its keys are gpu_physics's (PROTOCOL_KEYS, a row's PROTOCOL_ROW_KEYS),
+# the values checked where gpu_physics parses them
+_ROW = [{k: FREE for k in gpu_physics.PROTOCOL_ROW_KEYS}]
+PROTOCOLS_KEYS = {**{k: FREE for k in gpu_physics.PROTOCOL_KEYS}, "ring": _ROW, "tree": _ROW}
 NETWORK_KEYS = {"source": TEXT, "latency_model": TEXT, "base_latency_us": NUM, "overlap_compute_slowdown": NUM,
                 "overlap_efficiency": NUM, "intra_node": INTRA_NODE_KEYS, "inter_node": INTER_NODE_KEYS,
-                "collectives": COLLECTIVES_KEYS}
+                "collectives": COLLECTIVES_KEYS, "protocols": PROTOCOLS_KEYS}
 CORRECTIONS_KEYS = {"source": TEXT, **{name: NUM for name in (
     "gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale", "step_overhead_s",
     "kernel_overhead_scale", "collective_overhead_s", "overlap_efficiency")}}  # = Corrections' fields (checked below)
