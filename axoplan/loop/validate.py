@@ -32,7 +32,7 @@ import pandas as pd
 
 from axoplan import inputs
 from axoplan.loop import validate_proc as P
-from axoplan.atomic import atomic_write_text
+from axoplan.atomic import atomic_write_text, write_files
 from axoplan.errors import UserError
 from axoplan.loop.launch import (
     CONFIG_NAME,
@@ -61,7 +61,7 @@ from axoplan.loop.validate_files import (
 from axoplan.loop.validate_files import csv_line as _csv_line
 from axoplan.loop.validate_files import header as _header
 from axoplan.loop.validate_proc import kill_tree
-from axoplan.loop.validate_score import format_score, plot, score
+from axoplan.loop.validate_score import format_score, plot, plot_png, score
 
 SWEEP_FILE, PLAN_FILE, RESULTS_FILE, SUMMARY_FILE, PLOT_FILE = (
     "sweep.json", "plan.csv", "results.csv", "summary.json", "ranking.png")
@@ -433,11 +433,11 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
     """Score results.csv, save summary.json and ranking.png, print the scores."""
     res = read_results(out / RESULTS_FILE)
     s = score(res)
+    png = plot_png(res, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret {100 * s['regret']:.1f}%)"
+                                       if s.get("kendall_tau") is not None else ""))
     try:
-        atomic_write_text(out / SUMMARY_FILE, json.dumps(s, indent=1) + "\n")
-        plot(res, out / PLOT_FILE, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret "
-                                                  f"{100 * s['regret']:.1f}%)" if s.get("kendall_tau") is not None
-                                                  else ""))
+        # the scores and their plot replace the last ones together, or neither does
+        write_files(out, {SUMMARY_FILE: (json.dumps(s, indent=1) + "\n", None), PLOT_FILE: (png, None)})
     except OSError as e:
         raise _write_error(out, e) from None
     echo(format_score(s))
