@@ -519,8 +519,10 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
         inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
 
 
-# the range of every nonzero number in a profile, in its own units (GB/s, TFLOP/s, GiB, us, ratios)
-MIN_NUMBER, MAX_NUMBER = 1e-9, 1e9
+# the range of every nonzero number in a profile, in its own units (GB/s, TFLOP/s, GiB, us, ratios): far beyond
+# any machine (a test's "free" resource is 1e12: communication-only models), and low enough that every product
+# the model forms stays finite
+MIN_NUMBER, MAX_NUMBER = 1e-9, 1e15
 
 
 def _check_launch_slurm(sl, rd: _Reader) -> None:
