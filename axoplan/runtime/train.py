@@ -40,11 +40,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def check_config(cfg: LaunchConfig, world_size: int) -> ModelSpec:
     spec = load_model(cfg.model)
     g = cfg.grid
-    if g.size != world_size:
-        raise UserError(f"the grid gx*gy*gz*gdata = {g.gx}*{g.gy}*{g.gz}*{g.gdata} = {g.size} does not match "
+    if world_size % cfg.pp:
+        raise UserError(f"pp={cfg.pp} pipeline stages do not divide the {world_size} process(es) started")
+    if cfg.world != world_size:
+        raise UserError(f"the grid gx*gy*gz*gdata{'*pp' if cfg.pp > 1 else ''} = {g.gx}*{g.gy}*{g.gz}*{g.gdata}"
+                        f"{f'*{cfg.pp}' if cfg.pp > 1 else ''} = {cfg.world} does not match "
                         f"the {world_size} process(es) started")
     seq = cfg.seq_len or spec.seq_len
-    why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq)
+    why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq, cfg.pp, cfg.vpp,
+                       cfg.schedule)
     if why:
         raise UserError(f"config cannot run model '{spec.name}': {why}")
     open_source(cfg.data, cfg.seed, seq + 1)  # a missing or too short data path fails here, on all ranks
@@ -121,7 +125,7 @@ class Trainer:
                           overlap_all_gather=ov.all_gather, max_inflight_rs=ov.max_inflight_reduce_scatters,
                           blas_tuning=res.blas_tuning, overlap_data_parallel=ov.data_parallel)
         self.model = ParallelGPT(self.spec, self.rt, seed=cfg.seed, checkpointing=cfg.checkpointing,
-                                 device=res.device, init_params=init_params)
+                                 device=res.device, init_params=init_params, **self.model_slice())
         m = self.model
         decay = [w.param for n, w in m.weights.items() if decays(n)]
         no_decay = [w.param for n, w in m.weights.items() if not decays(n)] + m.replicated_params()
@@ -136,6 +140,11 @@ class Trainer:
         self.peak = peak_tflops(cfg)
         self.records: list[dict] = []
         self.dp_bucket_bytes: int | None = None  # None: comm.DP_BUCKET_BYTES (the proofs set small caps)
+        self.reporting = grid.rank == 0  # the rank that prints and writes the metrics
+
+    def model_slice(self) -> dict:
+        """The part of the model this rank holds: all of it (a pipeline rank holds its stages')."""
+        return {}
 
     @classmethod
     def from_config(cls, cfg: LaunchConfig, **kw) -> Trainer:
@@ -143,7 +152,17 @@ class Trainer:
         check_config(cfg, de.world_size)
         de, res = init_distributed(cfg, de)
         g = cfg.grid
-        return cls(cfg, build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order), res, **kw)
+        grid = build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order, pp=cfg.pp)
+        return cls.for_grid(cfg, grid, res, **kw)
+
+    @classmethod
+    def for_grid(cls, cfg: LaunchConfig, grid: ParallelGrid, res: Resolved, **kw) -> Trainer:
+        """The trainer of cfg on a built grid: pipelined where cfg.pp > 1 (runtime/pipeline_train.py)."""
+        if cfg.pp > 1:
+            from axoplan.runtime.pipeline_train import PipelineTrainer
+
+            cls = PipelineTrainer
+        return cls(cfg, grid, res, **kw)
 
     def close(self) -> None:
         self.grid.destroy()
@@ -158,13 +177,26 @@ class Trainer:
         return torch.from_numpy(tokens).to(dev), torch.from_numpy(keep).to(dev, torch.float32)
 
     def train_step(self, step: int) -> dict:
-        rt, model, mb = self.rt, self.model, self.cfg.micro_batch
+        rt, model = self.rt, self.model
         tokens, keep = self.local_batch(step)
         n_kept = keep.sum().double()  # the loss is a mean over the kept targets of the global batch
         rt.all_reduce(n_kept, "zd", layer="token count")
         model.grad_buffer.zero_()
         for p in model.replicated_params():
             p.grad = None
+        loss_sum, dp_armed = self.micro_batches(tokens, keep, n_kept)
+        rt.moment("step")
+        self.reduce_gradients(overlapped=dp_armed)
+        grad_norm = self.clip_gradients()
+        with rt.memory_kind("states"):  # AdamW's moments appear at the first step
+            self.opt.step()
+        rt.all_reduce(loss_sum, "zd", layer="loss")
+        return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
+
+    def micro_batches(self, tokens, keep, n_kept) -> tuple[torch.Tensor, bool]:
+        """Forward and backward of every micro-batch: (the sum of the kept per-token losses, whether the
+        data-parallel gradient all-reduce already runs in buckets)."""
+        rt, model, mb = self.rt, self.model, self.cfg.micro_batch
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.res.device)
         dp_armed = False
         for m in range(self.grad_acc):
@@ -177,13 +209,7 @@ class Trainer:
                 (part / n_kept.float()).backward()
                 rt.finish_backward()
             loss_sum += part.detach().double()
-        rt.moment("step")
-        self.reduce_gradients(overlapped=dp_armed)
-        grad_norm = self.clip_gradients()
-        with rt.memory_kind("states"):  # AdamW's moments appear at the first step
-            self.opt.step()
-        rt.all_reduce(loss_sum, "zd", layer="loss")
-        return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
+        return loss_sum, dp_armed
 
     def reduce_gradients(self, overlapped: bool = False) -> None:
         """Once per step: weight-shard gradients over D (fp32: one buffer, or with overlapped its
@@ -242,7 +268,7 @@ class Trainer:
         return out, time.perf_counter() - t0
 
     def _emit(self, record: dict) -> None:
-        if self.grid.rank != 0:
+        if not self.reporting:
             return
         line = json.dumps(record)
         print(line, flush=True)
@@ -288,6 +314,7 @@ class Trainer:
                 "first_loss": self.records[0]["loss"], "final_loss": self.records[-1]["loss"],
                 "steps": len(self.records), "warmup_steps": cfg.warmup_steps, "model": self.spec.name,
                 "grid": {"gx": g.gx, "gy": g.gy, "gz": g.gz, "gdata": g.gdata}, "order": g.order,
+                "pp": cfg.pp, "vpp": cfg.vpp, "schedule": cfg.schedule,
                 "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": self.seq,
                 "checkpointing": cfg.checkpointing, "overlap": vars(cfg.overlap).copy(),
                 "device": str(self.res.device), "dtype": str(self.res.compute_dtype).replace("torch.", ""),
