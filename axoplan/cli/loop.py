@@ -98,7 +98,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
          warmup, out):
     """Write DIR/config.yaml, DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and DIR/README.txt for
     the best (or --rank K, or --grid) configuration."""
-    from axoplan.loop.launch import config_from_row, write_run_dir
+    from axoplan.loop.launch import _pipe, config_from_row, write_run_dir
     from axoplan.planner.machine import load_profile
 
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
@@ -117,7 +117,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
                           warmup_steps=min(warmup, steps - 1))
     files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
                           candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
-    click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "
+    click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}"
+               f"{_pipe(cfg)}, "
                f"micro-batch {cfg.micro_batch}, checkpointing {'on' if cfg.checkpointing else 'off'}: "
                f"predicted {chosen['batch_time_s']:.4g} s per batch, {chosen['memory_gib']:.3g} GiB per GPU")
     for p in files.values():
