@@ -143,3 +143,21 @@ def test_dryrun_pp_prints_each_end_of_the_pipeline(capsys):
         main(args[:-6] + ["--pp", "4"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == "error: --grid 1,2,1,1 x --pp 4 has 8 GPUs, not the 4 of --gpus"
+
+
+def test_emit_pp_chooses_among_the_trainers_pipelines(tmp_path, capsys):
+    from axoplan.cli.main import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["emit", "-m", "gpt-small", "-p", "localhost-cpu", "-g", "4", "-b", "8", "--grid", "1,2,1,1", "--pp", "2",
+              "--vpp", "2", "--out", str(out)])
+    assert e.value.code == 0 and "x pp=2 (interleaved-1f1b, vpp=2)" in capsys.readouterr().out
+    cfg = load_config(out / "config.yaml")
+    assert (cfg.grid.gy, cfg.pp, cfg.vpp, cfg.schedule, cfg.world) == (2, 2, 2, "interleaved-1f1b", 4)
+    assert "GRID_SIZE=4" in (out / "launch_torchrun.sh").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["emit", "-m", "gpt-small", "-p", "localhost-cpu", "-g", "4", "-b", "8", "--grid", "1,2,1,1", "--pp", "4",
+              "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "error: --grid 1,2,1,1 x --pp 4 multiplies to 8, not --gpus 4"

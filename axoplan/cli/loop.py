@@ -2,6 +2,7 @@
 and back to the profile. No torch here: runs are started as subprocesses."""
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import click
 
 from axoplan import inputs
-from axoplan.cli.plan import parse_grid
+from axoplan.cli.plan import parse_grid, parse_pp, pipeline_options
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 
@@ -37,19 +38,24 @@ def _command_line() -> str:
 
 # ---- emit -------------------------------------------------------------------------------------------
 def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None = None, grid=None, order=None,
-           micro_batch=None, checkpointing="both"):
+           micro_batch=None, checkpointing="both", pp: int = 1, vpp: int | None = None, schedule: str | None = None):
     """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
-    row of one grid (and order). The runner-up is the best row with another grid or order."""
+    row of one grid (and order). The runner-up is the best row with another grid or order. pp > 1: among
+    the bundled trainer's pipelines of pp stages (the grid is each stage's)."""
+    from axoplan.planner.execution import trainer_execution
     from axoplan.planner.rank import rank
     from axoplan.loop.validate import distinct_configs
 
+    piped = pp > 1 or vpp not in (None, 1)
+    pipe = {"pp": pp, "vpp": vpp, "schedule": schedule or "all", "execution": trainer_execution()} if piped else {}
     df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-              checkpointing=checkpointing)
+              checkpointing=checkpointing, **pipe)
     rows = df.to_dict("records")
     if grid is not None:
         gx, gy, gz, gd = grid
-        if gx * gy * gz * gd != gpus:
-            raise UserError(f"--grid {gx},{gy},{gz},{gd} multiplies to {gx * gy * gz * gd}, not --gpus {gpus}")
+        if gx * gy * gz * gd * pp != gpus:
+            raise UserError(f"--grid {gx},{gy},{gz},{gd}{f' x --pp {pp}' if pp > 1 else ''} multiplies to "
+                            f"{gx * gy * gz * gd * pp}, not --gpus {gpus}")
         same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
                 and (order is None or r["order"] == order)]
         if not same:
@@ -57,7 +63,9 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
 
             ex = explain(model, machine, gpus, global_batch, grid, order=order or "xyz", seq_len=seq_len,
                          micro_batch=micro_batch,
-                         checkpointing=None if checkpointing == "both" else checkpointing == "on")
+                         checkpointing=None if checkpointing == "both" else checkpointing == "on",
+                         **({"pp": pp, "vpp": vpp, "schedule": schedule, "execution": pipe["execution"]}
+                            if piped else {}))
             reason = ex.summary["reason"][0]
             if reason:
                 raise UserError(f"grid {gx},{gy},{gz},{gd} (order {order or 'xyz'}) is not feasible: {reason}")
@@ -94,8 +102,9 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
               help="Steps left out of the summary's median.")
 @click.option("--out", "-o", "out", required=True, type=inputs.SafePath(file_okay=False),
               help="Run directory to write.")
+@functools.partial(pipeline_options, default_pp="1")
 def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro_batch, checkpointing, steps,
-         warmup, out):
+         warmup, out, pp, vpp, pipeline_schedule):
     """Write DIR/config.yaml, DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and DIR/README.txt for
     the best (or --rank K, or --grid) configuration."""
     from axoplan.loop.launch import _pipe, config_from_row, write_run_dir
@@ -110,7 +119,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
         raise UserError(f"--steps must be positive and --warmup non-negative, got {steps} and {warmup}")
     g = parse_grid(grid) if grid is not None else None
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
-                                      checkpointing)
+                                      checkpointing, parse_pp(pp, allow_all=False), vpp, pipeline_schedule)
     profile = load_profile(machine)
     machine_ref = str(Path(profile.path).resolve()) if profile.path else machine
     cfg = config_from_row(chosen, model, global_batch, seq_len, machine=machine_ref, steps=steps,

@@ -145,16 +145,6 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
                        "max_inflight_reduce_scatters_traced": tr.max_inflight_rs}}
 
 
-def trainer_execution():
-    """The bundled trainer's execution with its pipeline: it runs both schedules (runtime/pipeline_stage.py)
-    whatever the preset still says."""
-    import dataclasses
-
-    from axoplan.planner.execution import AXOPLAN
-
-    return AXOPLAN if AXOPLAN.pipeline == "interleaved" else dataclasses.replace(AXOPLAN, pipeline="interleaved")
-
-
 def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[int, int, int, int],
                      pp: int, vpp: int | None = None, schedule: str | None = None, order: str = "xyz",
                      seq_len: int | None = None, micro_batch: int | None = None, checkpointing: bool | None = None,
@@ -172,6 +162,8 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
     from axoplan.planner.rank import explain
     from axoplan.planner.stage_timing import rank_collective_rows
     from axoplan.runconfig import Grid, Overlap
+
+    from axoplan.planner.execution import trainer_execution
 
     ex_obj = trainer_execution()
 
