@@ -100,6 +100,8 @@ class LaunchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(f"{name} must be a positive integer, got {inputs.show(v)}")
+            if v > inputs.MAX_GPUS:
+                bad(f"{name} must be at most {inputs.MAX_GPUS:,}, got {inputs._short(v)}")
         if self.grid.size * self.pp > inputs.MAX_GPUS:
             bad(f"the grid has {self.grid.size * self.pp:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
         if self.schedule not in SCHEDULES:
