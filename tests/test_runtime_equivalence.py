@@ -4,7 +4,7 @@ off, a Llama-style variant, goldfish loss and BLAS tuning; two optimizer steps e
 with the single-process reference (losses, gradient norms, every shard of every rank, and the
 gathered full parameters). One process world per world size runs all of its cases, the pipelined ones
 too: every 5D grid of 2, 4 and 8 ranks with pp > 1 (pp stages of a 4D grid each), both schedules and
-checkpointing on and off spread over them, on a 17-block model split unevenly."""
+checkpointing on and off spread over them, on pp*vpp + 1 blocks (every split uneven)."""
 import pytest
 
 pytest.importorskip("torch")
@@ -34,7 +34,8 @@ def test_pipeline_cases_cover_every_5d_grid_schedule_and_checkpointing():
         assert {(c.pp, c.grid) for c in cases} == grids
         assert {(c.schedule, c.ckpt) for c in cases} == {(s, k) for s in ("1f1b", "interleaved-1f1b")
                                                           for k in (True, False)}
-    assert {c.pp for w in (2, 4, 8) for c in sc.pipeline_cases(w)} == {2, 4, 8}
+    assert {(c.pp, c.schedule) for w in (2, 4, 8) for c in sc.pipeline_cases(w)} == {
+        (p, s) for p in (2, 4, 8) for s in ("1f1b", "interleaved-1f1b")}
     assert {c.vpp for c in sc.pipeline_cases(8)} >= {1, 2, 3}
 
 

@@ -42,9 +42,11 @@ LLAMA = ModelSpec(name="tiny-llama-test", n_layers=2, hidden=64, n_heads=8, n_kv
 # deep enough for every pipeline of 8 ranks, interleaved too (8 x 2 virtual stages), and uneven (17 blocks)
 DEEP = dataclasses.replace(TINY, name="tiny-deep-test", n_layers=17)
 MODELS = {"tiny": TINY, "llama": LLAMA, "deep": DEEP}
-# the gradient norm's relative tolerance where fp32 noise over many blocks exceeds TOL: on the deep model the
-# 4D trainer on one rank is 3.3e-5 from the reference (measured), so every pipeline is held to that bar
-NORM_TOL = {"deep": 1e-4}
+# a pipeline case runs on pp*vpp + 1 blocks: every split uneven (the first virtual stage holds two), the run short
+MODELS.update({f"deep{n}": dataclasses.replace(TINY, name=f"tiny-deep{n}-test", n_layers=n) for n in (3, 5, 7, 9, 13)})
+# the gradient norm's relative tolerance where fp32 noise over many blocks exceeds TOL: on the 17-block model
+# the 4D trainer on one rank is 3.3e-5 from the reference (measured), so the pipelines are held to that bar
+NORM_TOL = {name: 1e-4 for name in MODELS if name.startswith("deep")}
 
 SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 16, 8, 2, 3e-3, 0
 GRAD_CLIP = 0.5  # below the initial gradient norm: clipping is active, so the global norm matters
@@ -121,7 +123,7 @@ def default_cases(world: int) -> list[Case]:
 
 
 def pipeline_cases(world: int) -> list[Case]:
-    """Every 5D grid of `world` ranks with pp > 1, on the 17-block model, the two schedules and checkpointing
+    """Every 5D grid of `world` ranks with pp > 1, on pp*vpp + 1 blocks, the two schedules and checkpointing
     on and off spread over them (each pair on every world), everything overlapped or nothing."""
     grids = [(pp, g) for pp in range(2, world + 1) if world % pp == 0 for g in factorizations(world // pp)]
     combos = [("1f1b", False), ("interleaved-1f1b", True), ("1f1b", True), ("interleaved-1f1b", False)]
@@ -130,9 +132,19 @@ def pipeline_cases(world: int) -> list[Case]:
         pp, g = grids[i % len(grids)]
         schedule, ck = combos[i % len(combos)]
         vpp = 1 if schedule == "1f1b" else (3 if pp * 3 <= DEEP.n_layers and i % 3 == 1 else 2)
-        cases.append(Case(g, model="deep", pp=pp, vpp=vpp, schedule=schedule, ckpt=ck, oar=not ck, ors=not ck,
-                          oag=not ck))
+        cases.append(_pipeline_case(g, pp, vpp, schedule, ck))
+    for pp in sorted({p for p, _ in grids}):  # every degree with both schedules (pp = world has one grid)
+        for schedule, ck in (("1f1b", True), ("interleaved-1f1b", False)):
+            if not any(c.pp == pp and c.schedule == schedule for c in cases):
+                g = next(g for p, g in grids if p == pp)
+                cases.append(_pipeline_case(g, pp, 1 if schedule == "1f1b" else 2, schedule, ck))
     return cases
+
+
+def _pipeline_case(grid, pp: int, vpp: int, schedule: str, ck: bool) -> Case:
+    n = pp * vpp + 1
+    return Case(grid, model="deep" if n == DEEP.n_layers else f"deep{n}", pp=pp, vpp=vpp, schedule=schedule,
+                ckpt=ck, oar=not ck, ors=not ck, oag=not ck)
 
 
 def world_cases(world: int) -> list[Case]:
