@@ -15,6 +15,7 @@ import yaml
 
 from axoplan import inputs
 from axoplan.errors import UserError
+from axoplan.planner.pipeline import SCHEDULES
 from axoplan.planner.space import ORDERS
 from axoplan.yamlio import load_yaml
 
@@ -54,8 +55,11 @@ class Goldfish:
 @dataclass
 class LaunchConfig:
     model: str = "gpt-tiny"  # preset name or path to a model YAML
-    grid: Grid = field(default_factory=Grid)
+    grid: Grid = field(default_factory=Grid)  # each pipeline stage's 4D grid: gx*gy*gz*gdata*pp = world size
     order: str = "xyz"  # placement of x, y, z, innermost first; data is always outermost
+    pp: int = 1  # pipeline stages (outermost: world rank = stage * grid size + the rank inside the stage's grid)
+    vpp: int = 1  # virtual stages per pipeline rank (interleaved-1f1b only)
+    schedule: str = "1f1b"  # pipeline order (pp > 1): 1f1b or interleaved-1f1b (torch.distributed.pipelining)
     global_batch: int = 8  # sequences per optimizer step, over all GPUs
     micro_batch: int = 1  # sequences per GPU per micro-step; grad_acc = global_batch / (gdata*gz*micro_batch)
     seq_len: int | None = None  # None: the model's seq_len
@@ -88,6 +92,11 @@ class LaunchConfig:
     backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise; or nccl, gloo
     save: str | None = None  # path to write the final parameters (a torch file), or null
 
+    @property
+    def world(self) -> int:
+        """Processes the run needs: every pipeline stage's grid."""
+        return self.grid.size * self.pp
+
     def validate(self, where: str = "config") -> LaunchConfig:
         def bad(msg):
             raise UserError(f"{where}: {msg}")
@@ -105,8 +114,18 @@ class LaunchConfig:
                 bad(f"{name} must be a positive integer, got {inputs.show(v)}")
             if v > hi:
                 bad(f"{name} must be at most {hi:,}, got {inputs._short(v)}")
-        if self.grid.size > inputs.MAX_GPUS:
-            bad(f"the grid has {self.grid.size:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
+        for name in ("pp", "vpp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(f"{name} must be a positive integer, got {inputs.show(v)}")
+            if v > inputs.MAX_GPUS:
+                bad(f"{name} must be at most {inputs.MAX_GPUS:,}, got {inputs._short(v)}")
+        if self.grid.size * self.pp > inputs.MAX_GPUS:
+            bad(f"the grid has {self.grid.size * self.pp:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {', '.join(SCHEDULES)}, got {inputs.show(self.schedule)}")
+        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+            bad(f"vpp={self.vpp} needs schedule interleaved-1f1b (the {self.schedule} schedule runs one stage per rank)")
         for name in ("timing_warmup_steps", "lr_warmup_steps", "checkpoint_every", "checkpoint_keep", "log_every"):
             v, lo = getattr(self, name), 1 if name == "log_every" else 0
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= inputs.MAX_STEPS:

@@ -2,7 +2,9 @@
 factorizations, several placement orders at 8), overlap flags on and off, checkpointing on and
 off, a Llama-style variant, goldfish loss and BLAS tuning; two optimizer steps each, compared
 with the single-process reference (losses, gradient norms, every shard of every rank, and the
-gathered full parameters). One process world per world size runs all of its cases."""
+gathered full parameters). One process world per world size runs all of its cases, the pipelined ones
+too: every 5D grid of 2, 4 and 8 ranks with pp > 1 (pp stages of a 4D grid each), both schedules and
+checkpointing on and off spread over them, on pp*vpp + 1 blocks (every split uneven)."""
 import pytest
 
 pytest.importorskip("torch")
@@ -12,7 +14,7 @@ from axoplan.runtime import selfcheck as sc
 
 @pytest.fixture(scope="module")
 def refs():
-    cases = [c for w in (1, 2, 4, 8) for c in sc.default_cases(w)]
+    cases = [c for w in (1, 2, 4, 8) for c in sc.world_cases(w)]
     return sc.reference_runs(cases)
 
 
@@ -25,10 +27,22 @@ def test_cases_cover_every_grid_and_flag():
     assert len({c.order for c in sc.default_cases(8)}) >= 2
 
 
+def test_pipeline_cases_cover_every_5d_grid_schedule_and_checkpointing():
+    for world in (2, 4, 8):
+        cases = sc.pipeline_cases(world)
+        grids = {(p, g) for p in range(2, world + 1) if world % p == 0 for g in sc.factorizations(world // p)}
+        assert {(c.pp, c.grid) for c in cases} == grids
+        assert {(c.schedule, c.ckpt) for c in cases} == {(s, k) for s in ("1f1b", "interleaved-1f1b")
+                                                          for k in (True, False)}
+    assert {(c.pp, c.schedule) for w in (2, 4, 8) for c in sc.pipeline_cases(w)} == {
+        (p, s) for p in (2, 4, 8) for s in ("1f1b", "interleaved-1f1b")}
+    assert {c.vpp for c in sc.pipeline_cases(8)} >= {1, 2, 3}
+
+
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_parallel_equals_reference(world, refs):
-    results = sc.run_world(world, refs=refs, timeout=420)
-    assert len(results) == len(sc.default_cases(world))
+    results = sc.run_world(world, refs=refs, timeout=600)
+    assert len(results) == len(sc.world_cases(world))
     bad = [r for r in results if not sc.passed(r)]
     assert not bad, "\n".join(f"{r['case']}: {r}" for r in bad)
     # ORS keeps at most its bound of reduce-scatters in flight, and reaches it (counted on every rank)

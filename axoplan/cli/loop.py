@@ -40,10 +40,14 @@ def _command_line() -> str:
 def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None = None, grid=None, order=None,
            micro_batch=None, checkpointing="both", execution=None, pp="all", vpp=None, schedule="all"):
     """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
-    row of one grid (and order). The runner-up is the best row with another grid or order."""
+    row of one grid (and order). The runner-up is the best row with another grid or order. pp > 1: among
+    the bundled trainer's pipelines of pp stages (the grid is each stage's)."""
+    from axoplan.planner.execution import AXOPLAN, trainer_execution
     from axoplan.planner.rank import rank
     from axoplan.loop.validate import distinct_configs
 
+    if (pp not in ("all", 1) or vpp not in (None, 1)) and execution in (None, "axoplan", AXOPLAN):
+        execution = trainer_execution()  # the bundled trainer's pipeline stages, asked for by --pp
     df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
               checkpointing=checkpointing, execution=execution, pp=pp, vpp=vpp, schedule=schedule or "all")
     rows = df.to_dict("records")
@@ -111,7 +115,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     DIR/config.yaml, or for --framework its own files, with DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and
     DIR/README.txt."""
     from axoplan.loop.frameworks import framework_execution
-    from axoplan.loop.launch import config_from_row, write_run_dir
+    from axoplan.loop.launch import _pipe, config_from_row, write_run_dir
     from axoplan.planner.machine import load_profile
 
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
@@ -141,7 +145,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
                           timing_warmup_steps=warmup)
     files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
                           candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
-    click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "
+    click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}"
+               f"{_pipe(cfg)}, "
                f"micro-batch {cfg.micro_batch}, checkpointing {'on' if cfg.checkpointing else 'off'}: "
                f"predicted {chosen['batch_time_s']:.4g} s per batch, {chosen['memory_gib']:.3g} GiB per GPU")
     for p in files.values():

@@ -39,8 +39,9 @@ def python_default() -> str:
 def config_from_row(row, model: str, global_batch: int, seq_len: int | None = None, machine: str | None = None,
                     steps: int = 10, timing_warmup_steps: int = 2, **overrides) -> LaunchConfig:
     """The LaunchConfig of one ranked row (a mapping with gx, gy, gz, gdata, order, micro_batch,
-    checkpointing, as axoplan.planner.rank.rank() returns)."""
-    cfg = LaunchConfig(
+    checkpointing, and pp, vpp, schedule where pipelined, as axoplan.planner.rank.rank() returns)."""
+    pp, vpp, schedule = pipeline_of(row)
+    cfg = LaunchConfig(pp=pp, vpp=vpp, schedule=schedule,
         model=portable_ref(model),
         grid=Grid(int(row["gx"]), int(row["gy"]), int(row["gz"]), int(row["gdata"])),
         order=str(row["order"]), global_batch=int(global_batch), micro_batch=int(row["micro_batch"]),
@@ -52,6 +53,21 @@ def config_from_row(row, model: str, global_batch: int, seq_len: int | None = No
             raise UserError(f"unknown config key '{k}'")
         setattr(cfg, k, v)
     return cfg.validate("emitted config")
+
+
+def pipeline_of(row) -> tuple[int, int, str]:
+    """(pp, vpp, schedule) of a ranked or measured row; a row without the columns (older files) has no pipeline."""
+    def get(k, default):
+        v = row.get(k, default) if hasattr(row, "get") else default
+        return default if v is None or (isinstance(v, float) and v != v) or str(v).strip() == "" else v
+
+    pp, vpp = int(float(get("pp", 1))), int(float(get("vpp", 1)))
+    schedule = str(get("schedule", "1f1b")) if pp > 1 else "1f1b"
+    return pp, (vpp if pp > 1 else 1), schedule
+
+
+def _pipe(cfg: LaunchConfig) -> str:
+    return "" if cfg.pp == 1 else f" x pp={cfg.pp} ({cfg.schedule}{f', vpp={cfg.vpp}' if cfg.vpp > 1 else ''})"
 
 
 def is_cpu_profile(profile) -> bool:
@@ -136,12 +152,12 @@ def torchrun_script(cfg: LaunchConfig, profile) -> str:
     """A bash script that trains this config with torchrun: one node (--standalone) by default, or
     NNODES nodes with a c10d rendezvous at MASTER_ADDR:MASTER_PORT (run it once per node with
     NODE_RANK set). It finds config.yaml beside itself, so the directory can be moved."""
-    g = cfg.grid.size
+    g = cfg.world
     nodes, per = nodes_for(g, profile.gpus_per_node)
     lines = [
         "#!/usr/bin/env bash",
         comment(f"axoplan: train {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
-                f"gdata={cfg.grid.gdata} (order {cfg.order}), {g} processes.", "the model path"),
+                f"gdata={cfg.grid.gdata} (order {cfg.order}){_pipe(cfg)}, {g} processes.", "the model path"),
         "# One node:    bash launch_torchrun.sh",
         "# Many nodes:  on every node, NNODES=N NODE_RANK=i MASTER_ADDR=host0 [MASTER_PORT=29500] bash launch_torchrun.sh",
         "# Override:    PYTHON=/path/to/python, NPROC_PER_NODE=k (with NNODES*NPROC_PER_NODE = the grid size).",
@@ -179,11 +195,11 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
     """An sbatch script: nodes = ceil(G / gpus_per_node), one task per GPU, srun starts the ranks and
     `axoplan train` reads Slurm's variables. Slurm copies a batch script elsewhere before running it,
     so the run directory is written in (quoted), not found from the script's own path."""
-    g = cfg.grid.size
+    g = cfg.world
     nodes, per = nodes_for(g, profile.gpus_per_node)
     rd = str(Path(run_dir).resolve())
     about = [comment(f"axoplan: {cfg.model} on grid gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} "
-                     f"gdata={cfg.grid.gdata} (order {cfg.order}) on {nodes} node(s) x {per} "
+                     f"gdata={cfg.grid.gdata} (order {cfg.order}){_pipe(cfg)} on {nodes} node(s) x {per} "
                      f"{'process(es)' if is_cpu_profile(profile) else 'GPU(s)'} of {profile.name}.",
                      "the model path or the machine profile's name"),
              f"# Submit with: sbatch {SLURM_NAME}"]
@@ -238,14 +254,16 @@ def gpu_bind(profile, tasks_per_node: int) -> str:
 
 
 def _fmt_row(r) -> str:
-    return (f"grid gx={int(r['gx'])} gy={int(r['gy'])} gz={int(r['gz'])} gdata={int(r['gdata'])}, order {r['order']}, "
+    pp, vpp, schedule = pipeline_of(r)
+    pipe = "" if pp == 1 else f"pp={pp} {schedule}{f' vpp={vpp}' if vpp > 1 else ''}, "
+    return (f"{pipe}grid gx={int(r['gx'])} gy={int(r['gy'])} gz={int(r['gz'])} gdata={int(r['gdata'])}, order {r['order']}, "
             f"micro-batch {int(r['micro_batch'])}, checkpointing {'on' if bool(r['checkpointing']) else 'off'}")
 
 
 def readme_text(cfg: LaunchConfig, profile, chosen, runner_up=None, command: str = "",
                 candidates: int | None = None, feasible: int | None = None) -> str:
     """README.txt of a run directory: what was chosen, why, and how to launch it."""
-    g = cfg.grid.size
+    g = cfg.world
     nodes, per = nodes_for(g, profile.gpus_per_node)
     t = float(chosen["batch_time_s"])
     out = [f"axoplan run directory: {cfg.model} on {g} {'processes' if is_cpu_profile(profile) else 'GPUs'} of "

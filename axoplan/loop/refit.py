@@ -21,6 +21,8 @@ import pandas as pd
 import yaml
 
 from axoplan.errors import UserError
+from axoplan.loop.launch import pipeline_of
+from axoplan.planner.pipeline import SCHEDULES
 from axoplan.planner.space import ORDERS
 from axoplan.planner.machine import Corrections, MachineProfile, load_profile
 
@@ -93,8 +95,11 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
         seq = seqs[g.index[0]]
         job = Job(int(first["gpus"]), int(first["global_batch"]), seq or m.seq_len).validate()
         order_idx = np.array([ORDERS.index(o) for o in g["order"]], dtype=np.int8)
+        pipes = [pipeline_of(r) for _, r in g.iterrows()]  # older results (no pipeline columns): pp 1
         c = Candidates(*(g[k].to_numpy(np.int64) for k in ("gx", "gy", "gz", "gdata")), order_idx,
-                       g["micro_batch"].to_numpy(np.int64), g["checkpointing"].to_numpy(bool))
+                       g["micro_batch"].to_numpy(np.int64), g["checkpointing"].to_numpy(bool),
+                       np.array([p[0] for p in pipes], dtype=np.int64), np.array([p[1] for p in pipes], dtype=np.int64),
+                       np.array([SCHEDULES.index(p[2]) for p in pipes], dtype=np.int8))
         groups.append((m, job, c, g.index.to_numpy(), execs[g.index[0]]))
     labels = list(ok["candidate"]) if "candidate" in ok else [str(i) for i in range(len(ok))]
     return RunSet(groups, ok["measured_time_s"].to_numpy(float), labels)
@@ -145,9 +150,15 @@ def _check_rows(ok: pd.DataFrame, where: str) -> list:
                         inputs.count(_num(seq), "seq_len", 1, inputs.MAX_SEQ_LEN))
         except UserError as e:
             raise UserError(f"{label}: {e}") from None
-        if int(np.prod(grid)) != gpus:
-            raise UserError(f"{label}: the grid {'x'.join(map(str, grid))} multiplies to {int(np.prod(grid))}, "
-                            f"not its gpus {gpus}")
+        try:
+            pp, vpp, schedule = pipeline_of(r)
+        except ValueError:
+            raise UserError(f"{label}: pp and vpp must be whole numbers, got {r.get('pp')!r} and {r.get('vpp')!r}") from None
+        if pp < 1 or vpp < 1 or schedule not in SCHEDULES:
+            raise UserError(f"{label}: pp={pp}, vpp={vpp}, schedule {schedule!r} is not a pipeline axoplan plans")
+        if int(np.prod(grid)) * pp != gpus:
+            raise UserError(f"{label}: the grid {'x'.join(map(str, grid))}{f' x pp {pp}' if pp > 1 else ''} "
+                            f"multiplies to {int(np.prod(grid)) * pp}, not its gpus {gpus}")
         if r["order"] not in ORDERS:
             raise UserError(f"{label}: unknown placement order {r['order']!r}")
     return seqs

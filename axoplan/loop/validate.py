@@ -41,6 +41,7 @@ from axoplan.loop.launch import (
     check_layout,
     config_from_row,
     env_summary,
+    pipeline_of,
     is_cpu_profile,
     launch_env,
     python_default,
@@ -114,12 +115,15 @@ def distinct_configs(df: pd.DataFrame) -> pd.DataFrame:
     """The best-predicted row of every (grid, order), in predicted order: a sweep measures grids and
     placements, with the micro-batch and checkpointing the planner would pick for each."""
     feas = df[df["feasible"].astype(bool)]
-    return feas.drop_duplicates(subset=["gx", "gy", "gz", "gdata", "order"], keep="first").reset_index(drop=True)
+    pipe = [k for k in ("pp", "vpp", "schedule") if k in feas.columns]  # a pipeline is a placement of its own
+    return feas.drop_duplicates(subset=["gx", "gy", "gz", "gdata", "order", *pipe], keep="first").reset_index(drop=True)
 
 
 def candidate_id(i: int, row) -> str:
     ck = "-ckpt" if bool(row["checkpointing"]) else ""
-    return (f"c{i:02d}-{int(row['gx'])}x{int(row['gy'])}x{int(row['gz'])}x{int(row['gdata'])}-{row['order']}"
+    pp, vpp, schedule = pipeline_of(row)
+    pipe = "" if pp == 1 else f"pp{pp}{f'v{vpp}' if schedule == 'interleaved-1f1b' else ''}-"
+    return (f"c{i:02d}-{pipe}{int(row['gx'])}x{int(row['gy'])}x{int(row['gz'])}x{int(row['gdata'])}-{row['order']}"
             f"-mb{int(row['micro_batch'])}{ck}")
 
 

@@ -25,7 +25,8 @@ STATUSES = FINAL_STATUSES + (INFRA,)
 JOB_COLUMNS = ["candidate", "model", "machine", "gpus", "global_batch", "seq_len"]
 RESULT_COLUMNS = JOB_COLUMNS + COLUMNS + ["measured_time_s", "status", "error", "steps", "warmup_steps", "wall_s",
                                           "repeat"]
-_NUMERIC = ["gpus", "global_batch", "seq_len", "rank", "gx", "gy", "gz", "gdata", "micro_batch", "batch_time_s",
+_NUMERIC = ["gpus", "global_batch", "seq_len", "rank", "gx", "gy", "gz", "gdata", "pp", "vpp", "micro_batch",
+            "batch_time_s",
             "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak",
             "measured_time_s", "steps", "warmup_steps", "wall_s"]
 

@@ -193,6 +193,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     flops_gpu = flops_token * job.tokens_per_batch / job.gpus
 
     detail = {"schedule": sched, "time": timed_step} if explain else {}
+    if explain and piped:  # each end of the pipeline's own peak (dryrun traces both)
+        detail["stage_memory"] = {"first": head.map(lambda a: a[..., inverse]), "last": tail.map(lambda a: a[..., inverse])}
     return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
                       sched.extrapolated, detail, np.broadcast_to(bubble, np.shape(batch)),
                       np.broadcast_to(memory_rank, np.shape(batch)), np.broadcast_to(sched.grad_acc, np.shape(batch)),
@@ -212,7 +214,8 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     blocks = stage_timing.rank_blocks(L, pp, vpp, rank)
     live = np.empty(len(first), dtype=np.float64)
     # the peak's forwards in flight stop growing after the warm-up: one walk of the order per structure
-    m = np.where(sc == 0, np.minimum(m, pp + 1), np.minimum(np.maximum(-(-m // pp) * pp, pp), 2 * pp))
+    m = np.where(sc == 0, pipeline.peak_micro_batches("1f1b", pp, m),
+                 pipeline.peak_micro_batches("interleaved-1f1b", pp, m))
     keys, inv = np.unique(np.stack([pp, vpp, sc, m], axis=1), axis=0, return_inverse=True)
     for j, (p_, v_, s_, m_) in enumerate(keys.tolist()):
         sel = inv.reshape(-1) == j

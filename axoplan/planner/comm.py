@@ -233,13 +233,18 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
     pair = np.minimum(pp, 2)  # a transfer between stages is a pair of GPUs
     busbw["p"], lat["p"] = profile.group_busbw(pair, stride["p"]), profile.group_latency(pair, stride["p"])
     inside["p"] = profile.group_inside(pair, stride["p"])
-    for name, axes in (("zd", "zd"), ("all", "xyzd")):
+    # 'all' spans every pipeline stage too: its pipeline member is the whole pipeline group, not a pair
+    busbw["P"], lat["P"] = profile.group_busbw(pp, stride["p"]), profile.group_latency(pp, stride["p"])
+    inside["P"], size["P"], stride["P"] = profile.group_inside(pp, stride["p"]), pp, stride["p"]
+    for name, axes in (("zd", "zd"), ("all", "xyzdP")):
         size[name] = np.prod([size[a] for a in axes], axis=0)
         stride[name] = np.min([np.where(size[a] > 1, stride[a], np.iinfo(np.int64).max) for a in axes], axis=0)
         stride[name] = np.where(size[name] > 1, stride[name], 1)
         busbw[name] = np.min([busbw[a] for a in axes], axis=0)
         lat[name] = np.max([np.where(size[a] > 1, lat[a], 0.0) for a in axes], axis=0)
         inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
+    for d in (size, stride, busbw, lat, inside):
+        del d["P"]
     per_byte = _Coefficients(profile, size, busbw, lat, inside, stride)
     shapes = None
     if profile.coll_table is not None:

@@ -182,6 +182,12 @@ AXIS_NAMES = {"x": "column (X, in-features) tensor parallelism: its tensor paral
               "d": "replicated data parallelism"}
 
 
+def trainer_execution() -> Execution:
+    """The bundled trainer with its pipeline stages (runtime/pipeline_stage.py: both schedules), for the
+    commands that run it with --pp (emit, dryrun) while the preset above still ranks without a pipeline."""
+    return AXOPLAN if AXOPLAN.pipeline == "interleaved" else dataclasses.replace(AXOPLAN, pipeline="interleaved")
+
+
 @dataclass(frozen=True)
 class SelectiveRecompute:
     """The op-selective policy on one model's block: per block linear (qkv, attn_out, fc1, fc2) the share of

@@ -90,6 +90,31 @@ def rank_orders(schedule: str, pp: int, vpp: int, m: int) -> tuple:
                  for seq in rank_sequences(schedule, pp, vpp, m))
 
 
+def rank_transfers(schedule: str, pp: int, vpp: int, m: int, rank: int) -> list[tuple[str, str, int, int]]:
+    """The point-to-point transfers of pipeline rank `rank`, in the order of its operations: (send | recv,
+    activation | activation gradient, virtual stage, micro-batch). A forward receives its input from the
+    previous virtual stage and sends its output to the next; a backward the same in reverse; the ends of the
+    pipeline have no neighbour there. (torch's interleaved runtime posts each receive one operation early:
+    the sends and the receives each keep this order.)"""
+    V = pp * vpp
+    out = []
+    for kind, v, i in rank_orders(schedule, pp, vpp, m)[rank]:
+        if kind == "F":
+            out += [("recv", "activation", v, i)] * (v > 0) + [("send", "activation", v, i)] * (v < V - 1)
+        else:
+            out += [("recv", "activation gradient", v, i)] * (v < V - 1) + [("send", "activation gradient", v, i)] * (v > 0)
+    return out
+
+
+def peak_micro_batches(schedule: str, pp, m):
+    """Micro-batches past which no rank holds more forwards in flight (the warm-up is complete): 1f1b's
+    pp + 1, interleaved's 2 pp (m a multiple of pp)."""
+    pp, m = np.asarray(pp), np.asarray(m)
+    if schedule == "1f1b":
+        return np.minimum(m, pp + 1)
+    return np.minimum(np.maximum(-(-m // pp) * pp, pp), 2 * pp)
+
+
 @dataclass(frozen=True)
 class Walk:
     """One structure's operations in level order, as index arrays: for each operation (numbered in the

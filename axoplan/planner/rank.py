@@ -106,6 +106,7 @@ class Ranking:
     feasible: int  # in the space
     extrapolated_gemms: int  # listed feasible rows with GEMM shapes outside the profile's table
     execution: Execution = AXOPLAN  # how the framework runs the step
+    detail: dict | None = None  # the evaluation's schedule and timing and the candidate (dryrun's per-stage view)
 
     def __len__(self) -> int:
         return len(self.columns["rank"])
@@ -240,6 +241,7 @@ class Explanation:
     memory: pd.DataFrame  # per memory kind, GiB
     notes: list
     execution: Execution = AXOPLAN  # how the framework runs the step
+    detail: dict | None = None  # the evaluation's schedule and timing and the candidate (dryrun's per-stage view)
 
 
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
@@ -334,4 +336,5 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         notes.append("some GEMM shapes fall outside the profile's measured table: their time is extrapolated")
     if not bool(ev1.feasible[0]):
         notes.append("this configuration is NOT feasible: " + summary["reason"][0])
-    return Explanation(summary, colls, windows, memory, notes, ex)
+    return Explanation(summary, colls, windows, memory, notes, ex, {**d, "candidate": one, "model": m, "profile": p,
+                                                                 "seq_len": job.seq_len})

@@ -273,11 +273,15 @@ def pipeline_masks(model: ModelSpec, global_batch: int, c: Candidates) -> list[t
 
 
 def grid_problem(model: ModelSpec, gx: int, gy: int, gz: int, gdata: int, global_batch: int, micro_batch: int,
-                 seq_len: int | None = None) -> str | None:
-    """The first divisibility rule one configuration breaks, as a sentence, or None."""
-    c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, 0, micro_batch)), np.array([False]))
-    for mask, template in divisibility_masks(model, global_batch, seq_len or model.seq_len, c):
+                 seq_len: int | None = None, pp: int = 1, vpp: int = 1, schedule: str = "1f1b") -> str | None:
+    """The first divisibility or pipeline rule one configuration breaks, as a sentence, or None."""
+    from axoplan.planner.pipeline import SCHEDULES
+
+    c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, 0, micro_batch)), np.array([False]),
+                   np.array([pp]), np.array([vpp]), np.array([SCHEDULES.index(schedule)], dtype=np.int8))
+    rules = divisibility_masks(model, global_batch, seq_len or model.seq_len, c) + pipeline_masks(model, global_batch, c)
+    for mask, template in rules:
         if mask[0]:
-            return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch, pp=1, vpp=1,
+            return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch, pp=pp, vpp=vpp,
                                     m=int(micro_batches(global_batch, c)[0]))
     return None

@@ -19,7 +19,7 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import SCHEDULES, rank_end_times, steady_cap
+from axoplan.planner.pipeline import SCHEDULES, rank_end_times, stage_blocks, steady_cap
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
@@ -76,17 +76,49 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
     return out
 
 
-def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
-               seq_len: int, blocks, first: bool, last: bool):
-    """(seconds of the gradient reduction and other once-per-step collectives, optimizer seconds) of a rank
-    holding `blocks` blocks (the embedding on the first, the LM head and final norm on the last)."""
+def rank_step_collectives(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates,
+                          ex: Execution, seq_len: int, blocks, first: bool, last: bool):
+    """(the once-per-step collectives, the fp32 shard elements) of a pipeline rank holding `blocks` blocks (the
+    embedding on the first, the LM head and final norm on the last): the blocking gradient reduction over
+    its own shard, no buckets."""
     ps = sched.params
     shard = ps.block_shard * blocks + (ps.emb_shard if first else 0) + (ps.lm_shard if last else 0)
     hx = model.hidden / c.gx
     replicated = (2 * blocks + last) * hx + (seq_len * hx if first and model.position == "learned" else 0)
-    g = sched.groups
+    step = comm.data_parallel_collectives(profile, sched.groups, np.asarray(shard, dtype=np.float64), replicated,
+                                          None, ex, profile.dtype_bytes)
+    return step, shard
+
+
+def rank_collective_rows(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
+                         seq_len: int, i: int, checkpointing: bool, rank: int) -> list[tuple]:
+    """(collective, calls per step) of pipeline rank `rank` of candidate i: the windows of each of its
+    virtual stages (Schedule.collective_rows per stage) and its once-per-step collectives, by (layer, phase,
+    kind, axis, bytes) as explain's table; groups of one GPU left out."""
+    pp, vpp = int(np.ravel(c.pp)[i]), int(np.ravel(c.vpp)[i])
+    V = pp * vpp
+    counts = stage_blocks(model.n_layers, pp, vpp)
+    rows: dict = {}
+    for v in range(rank, V, pp):
+        for cl, calls in sched.collective_rows(i, checkpointing, stage=(int(counts[v]), v == 0, v == V - 1)):
+            key = (cl.layer, cl.phase, cl.kind, cl.axis, float(np.ravel(cl.nbytes)[i]))
+            rows[key] = (cl, rows[key][1] + calls) if key in rows else (cl, calls)
+    blocks = int(sum(counts[rank::pp]))
+    step, _ = rank_step_collectives(profile, sched, model, c, ex, seq_len, blocks, rank == 0, rank == pp - 1)
+    for j, cl in enumerate(step):
+        calls = int(np.ravel(cl.calls)[i]) if np.ndim(cl.calls) else int(cl.calls)
+        if calls and int(np.ravel(sched.groups.size[cl.axis])[i]) > 1:
+            rows["step", j] = (cl, calls)
+    return list(rows.values())
+
+
+def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
+               seq_len: int, blocks, first: bool, last: bool):
+    """(seconds of the gradient reduction and other once-per-step collectives, optimizer seconds) of a rank
+    holding `blocks` blocks (the embedding on the first, the LM head and final norm on the last)."""
+    step, shard = rank_step_collectives(profile, sched, model, c, ex, seq_len, blocks, first, last)
+    hx = model.hidden / c.gx
     e = profile.dtype_bytes
-    step = comm.data_parallel_collectives(profile, g, np.asarray(shard, dtype=np.float64), replicated, None, ex, e)
     dp = sum(s.seconds * s.calls for s in step)
     stage_model = dataclasses.replace(model, n_layers=1)  # the replicated count follows `blocks` below
     w = work.step_work(stage_model, c.gx, c.gz, c.gdata, c.micro_batch, seq_len, sched.grad_acc, shard,

@@ -1,7 +1,9 @@
 """Rank placement and process groups of the 4D grid (data x Z x Y x X).
 
 Placement follows the planner's contract: `order` names x, y, z innermost first and data is
-always outermost, so for order "xyz" world_rank = x + gx*(y + gy*(z + gz*d)).
+always outermost, so for order "xyz" world_rank = x + gx*(y + gy*(z + gz*d)). With a pipeline the stage p
+is outermost of all: world_rank = p * (gx*gy*gz*gdata) + that rank, each stage on its own 4D sub-grid, and
+the pipeline group ("p") joins the ranks of equal (x, y, z, d) across the stages.
 Along any single axis the world rank grows with that axis' coordinate, so the rank inside a
 one-axis group equals the coordinate on that axis (the flat Z shards rely on it).
 """
@@ -57,12 +59,20 @@ class ParallelGrid:
     order: str
     rank: int
     coords: Coords
-    groups: dict[str, Any] = field(default_factory=dict)  # "x", "y", "z", "d", "zd"
+    groups: dict[str, Any] = field(default_factory=dict)  # "x", "y", "z", "d", "zd", and "p" with a pipeline
     _owned: list = field(default_factory=list)
+    pp: int = 1  # pipeline stages; this rank is in stage `stage`
+    stage: int = 0
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage's 4D grid."""
+        return self.gx * self.gy * self.gz * self.gdata
 
     @property
     def size(self) -> int:
-        return self.gx * self.gy * self.gz * self.gdata
+        """Ranks of the whole job (every pipeline stage)."""
+        return self.stage_size * self.pp
 
     def group(self, axis: str):
         return self.groups.get(axis)
@@ -83,33 +93,42 @@ class ParallelGrid:
         self.groups.clear()
 
 
-def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> ParallelGrid:
-    """Create every one-axis group (and the Z x D group for replicated parameters) on all ranks.
+def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: int = 1) -> ParallelGrid:
+    """Create every one-axis group (and the Z x D group for replicated parameters) of every pipeline stage,
+    and the pipeline groups, on all ranks.
 
     torch requires every rank to take part in creating every group, in the same order.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if gx * gy * gz * gdata != world:
-        raise ValueError(f"grid {gx}x{gy}x{gz}x{gdata} does not match world size {world}")
-    me = coords_of(rank, gx, gy, gz, gdata, order)
-    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me)
+    n4 = gx * gy * gz * gdata
+    if n4 * pp != world:
+        raise ValueError(f"grid {gx}x{gy}x{gz}x{gdata} x pp {pp} does not match world size {world}")
+    me = coords_of(rank % n4, gx, gy, gz, gdata, order)
+    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me, pp=pp, stage=rank // n4)
     sizes = {"x": gx, "y": gy, "z": gz, "d": gdata}
-    for name, varying in (("x", ("x",)), ("y", ("y",)), ("z", ("z",)), ("d", ("d",)), ("zd", ("z", "d"))):
-        n = 1
-        for a in varying:
-            n *= sizes[a]
-        if n == 1:
-            continue
-        fixed = [a for a in AXES if a not in varying]
-        for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
-            members = []
-            for var_vals in itertools.product(*(range(sizes[a]) for a in varying)):
-                c = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
-                members.append(rank_of(Coords(**c), gx, gy, gz, gdata, order))
-            members.sort()
-            g = dist.new_group(members)
+    for p in range(pp):
+        for name, varying in (("x", ("x",)), ("y", ("y",)), ("z", ("z",)), ("d", ("d",)), ("zd", ("z", "d"))):
+            n = 1
+            for a in varying:
+                n *= sizes[a]
+            if n == 1:
+                continue
+            fixed = [a for a in AXES if a not in varying]
+            for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
+                members = []
+                for var_vals in itertools.product(*(range(sizes[a]) for a in varying)):
+                    c = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
+                    members.append(p * n4 + rank_of(Coords(**c), gx, gy, gz, gdata, order))
+                members.sort()
+                g = dist.new_group(members)
+                grid._owned.append(g)
+                if rank in members:
+                    grid.groups[name] = g
+    if pp > 1:  # the stages' ranks of one 4D coordinate, in stage order (the group rank is the stage)
+        for local in range(n4):
+            g = dist.new_group([p * n4 + local for p in range(pp)])
             grid._owned.append(g)
-            if rank in members:
-                grid.groups[name] = g
+            if rank % n4 == local:
+                grid.groups["p"] = g
     return grid

@@ -6,6 +6,9 @@ attention runs locally on those heads; attn_out and fc2 are transposed layers; t
 vocab-parallel over Y and hidden-parallel over X; the LM head is a normal layer H -> Vp with a
 vocab-parallel cross-entropy. Norm weights and learned positions are X slices, replicated over
 Y, Z and D. Every sharded weight slices the same full tensors the reference GPT holds.
+
+A pipeline rank holds a slice (`blocks`, with the embedding on the first stage and the final norm and LM
+head on the last: runtime/pipeline_stage.py); names and initial values stay those of the whole model.
 """
 from __future__ import annotations
 
@@ -44,8 +47,12 @@ def _part(n: int, parts: int, i: int) -> torch.Tensor:
 
 class ParallelGPT:
     def __init__(self, spec: ModelSpec, rt: Runtime, *, seed: int = 0, checkpointing: bool = False,
-                 device: torch.device | str = "cpu", init_params: dict[str, torch.Tensor] | None = None):
+                 device: torch.device | str = "cpu", init_params: dict[str, torch.Tensor] | None = None,
+                 blocks=None, embedding: bool = True, head: bool = True):
         self.spec, self.rt, self.checkpointing = spec, rt, checkpointing
+        # the slice this rank holds (a pipeline stage's): global block indices, the embedding, the LM head
+        self.block_ids = list(range(spec.n_layers)) if blocks is None else sorted(blocks)
+        self.has_embedding, self.has_head = embedding, head
         self.device = torch.device(device)
         g = rt.grid
         c = g.coords
@@ -63,9 +70,10 @@ class ParallelGPT:
         xs = {"x": c.x, "y": c.y}
         sizes = {"x": g.gx, "y": g.gy}
         self.weights: dict[str, ShardedWeight] = {}
-        self.weights["tok_emb"] = sharded("tok_emb", _part(vp, g.gy, c.y), _part(h, g.gx, c.x), f"{c.y}/{c.x}")
-        self.blocks: list[dict[str, LinearSpec]] = []
-        for i in range(spec.n_layers):
+        if embedding:
+            self.weights["tok_emb"] = sharded("tok_emb", _part(vp, g.gy, c.y), _part(h, g.gx, c.x), f"{c.y}/{c.x}")
+        self.blocks: dict[int, dict[str, LinearSpec]] = {}
+        for i in self.block_ids:
             layers = {}
             for lin in spec.block_linears():
                 name = f"blocks.{i}.{lin.name}"
@@ -74,15 +82,16 @@ class ParallelGPT:
                 cols = self._out_columns(lin.name, lin.n, sizes[oa], xs[oa])
                 self.weights[name] = sharded(name, rows, cols, f"{xs[ia]}/{xs[oa]}")
                 layers[lin.name] = LinearSpec(ia, oa, self.weights[name])
-            self.blocks.append(layers)
-        self.weights["lm_head"] = sharded("lm_head", _part(h, g.gx, c.x), _part(vp, g.gy, c.y), f"{c.x}/{c.y}")
-        self.head = LinearSpec("x", "y", self.weights["lm_head"])
+            self.blocks[i] = layers
+        if head:
+            self.weights["lm_head"] = sharded("lm_head", _part(h, g.gx, c.x), _part(vp, g.gy, c.y), f"{c.x}/{c.y}")
+            self.head = LinearSpec("x", "y", self.weights["lm_head"])
 
         # replicated over Y, Z, D: the X slice of the hidden channels
         self.xcols = _part(h, g.gx, c.x)
         self.replicated: dict[str, torch.nn.Parameter] = {}
         for name, shape in shapes.items():
-            if name in self.weights:
+            if name in self.weights or not self.holds(name):
                 continue
             t = torch.zeros(shape[:-1] + (self.hx,), device=self.device)
             self.replicated[name] = torch.nn.Parameter(t)
@@ -96,6 +105,14 @@ class ParallelGPT:
             w.grad_offset = off
             w.param.grad = self.grad_buffer[off:off + w.shard_len]
             off += w.shard_len
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank's slice holds the full parameter `name`."""
+        if name in ("tok_emb", "pos_emb"):
+            return self.has_embedding
+        if name in ("lm_head", "norm_f"):
+            return self.has_head
+        return int(name.split(".")[1]) in self.blocks
 
     # ---- layouts ---------------------------------------------------------------------
     def _out_columns(self, name: str, n: int, parts: int, i: int) -> torch.Tensor:
@@ -131,6 +148,8 @@ class ParallelGPT:
                         p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
 
     def _set_full(self, name: str, t: torch.Tensor) -> None:
+        if not self.holds(name):
+            return
         if name in self.weights:
             self.weights[name].set_from_full(t)
         else:
@@ -152,7 +171,7 @@ class ParallelGPT:
                 block = self.rt.gather_exact(w)
                 if c.z == 0 and c.d == 0:
                     full[w.rows.unsqueeze(1), w.cols.unsqueeze(0)] = block
-            elif c.y == 0 and c.z == 0 and c.d == 0:
+            elif c.y == 0 and c.z == 0 and c.d == 0 and name in self.replicated:
                 full[..., self.xcols] = self.replicated[name].detach()
             if g.size > 1:
                 dist.all_reduce(full)  # one writer per element: the sum is exact
@@ -168,9 +187,10 @@ class ParallelGPT:
         from axoplan.planner.comm import DP_BUCKET_BYTES, FP32
 
         cap = -(-(DP_BUCKET_BYTES if cap_bytes is None else cap_bytes) // FP32)
-        w, n = self.weights, self.spec.n_layers
-        units = [[w["lm_head"]]] + [[w[f"blocks.{i}.{name}"] for name in BLOCK_LINEARS] for i in reversed(range(n))]
-        units.append([w["tok_emb"]])
+        w = self.weights
+        units = ([[w["lm_head"]]] if self.has_head else []) + [
+            [w[f"blocks.{i}.{name}"] for name in BLOCK_LINEARS] for i in reversed(self.block_ids)]
+        units += [[w["tok_emb"]]] if self.has_embedding else []
         out, cur = [], []
         for k, unit in enumerate(units):
             cur += unit
@@ -186,13 +206,24 @@ class ParallelGPT:
         return list(self.replicated.values())
 
     # ---- gather sequences (OAG) ----------------------------------------------------------
-    def gather_sequence(self, backward: bool) -> list[ShardedWeight]:
-        w, n = self.weights, self.spec.n_layers
-        seq = [w["tok_emb"]] + [w[f"blocks.{i}.{name}"] for i in range(n) for name in BLOCK_LINEARS] + [w["lm_head"]]
-        if not backward:
-            return seq
-        seq.append(w["lm_head"])
-        for i in reversed(range(n)):
+    def gather_sequence(self, backward: bool, chunk: tuple | None = None) -> list[ShardedWeight]:
+        """The weight gathers of one micro-batch's forward (and backward) in order; chunk: (blocks, first,
+        last) of one pipeline stage, whose forward and backward run apart (forward_sequence,
+        backward_sequence)."""
+        return self.forward_sequence(chunk) + (self.backward_sequence(chunk) if backward else [])
+
+    def forward_sequence(self, chunk: tuple | None = None) -> list[ShardedWeight]:
+        w = self.weights
+        blocks, first, last = chunk or (self.block_ids, True, True)
+        return (([w["tok_emb"]] if first else []) + [w[f"blocks.{i}.{name}"] for i in blocks for name in BLOCK_LINEARS]
+                + ([w["lm_head"]] if last else []))
+
+    def backward_sequence(self, chunk: tuple | None = None) -> list[ShardedWeight]:
+        """The embedding's backward needs no weight: only the LM head and the blocks gather again."""
+        w = self.weights
+        blocks, _, last = chunk or (self.block_ids, True, True)
+        seq = [w["lm_head"]] if last else []
+        for i in reversed(list(blocks)):
             names = BLOCK_LINEARS if self.checkpointing else tuple(reversed(BLOCK_LINEARS))
             seq += [w[f"blocks.{i}.{name}"] for name in names]
         return seq
@@ -223,16 +254,25 @@ class ParallelGPT:
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] (the same on all X and Y ranks) -> local logits [b*s, Vp/gy]."""
+        return self.stage_forward(ids, self.block_ids, True, True, tuple(ids.shape))
+
+    def stage_forward(self, inp: torch.Tensor, blocks, first: bool, last: bool, shape: tuple[int, int]):
+        """A slice of the forward: token ids [b, s] in on the first stage, else the residual stream
+        [b*s, H/gx]; the blocks `blocks`; the residual stream out, or on the last stage the logits."""
         s, rt = self.spec, self.rt
-        b, n = ids.shape
-        x = parallel_embedding(ids.reshape(-1), self.weights["tok_emb"], self.vocab_lo, rt)
-        if s.position == "learned":
-            x = (x.view(b, n, -1) + self.replicated["pos_emb"][:n].to(x.dtype)).view(b * n, -1)
-        for i in range(s.n_layers):
+        b, n = shape
+        x = inp
+        if first:
+            x = parallel_embedding(inp.reshape(-1), self.weights["tok_emb"], self.vocab_lo, rt)
+            if s.position == "learned":
+                x = (x.view(b, n, -1) + self.replicated["pos_emb"][:n].to(x.dtype)).view(b * n, -1)
+        for i in blocks:
             if self.checkpointing and torch.is_grad_enabled():
                 x = _CheckpointBlock.apply(x, self, i, (b, n))
             else:
                 x = self._block(i, x, (b, n))
+        if not last:
+            return x
         x = sharded_norm(x, self.replicated["norm_f"], s.hidden, s.norm, rt)
         with rt.memory_kind("logits"):
             return parallel_linear(x, self.head, rt)

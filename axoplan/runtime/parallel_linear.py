@@ -74,8 +74,8 @@ class CollectiveCall:
     (the all-reduced buffer, the gathered output, the reduce-scatter's full input)."""
 
     layer: str  # qkv, attn_out, fc1, fc2, lm_head, embedding, norm, loss, or a per-step name
-    kind: str  # all_gather, reduce_scatter, all_reduce
-    axis: str  # x, y, z, d, zd, all
+    kind: str  # all_gather, reduce_scatter, all_reduce; send, recv (pipeline transfers)
+    axis: str  # x, y, z, d, zd, all; p (between pipeline stages)
     nbytes: int
 
 
@@ -119,7 +119,7 @@ class Runtime:
         self._dp_work: list = []
         self.dp_overlapped = 0  # bucket all-reduces launched inside a backward (the mechanism's proof)
         self.sequence_misses = 0  # gathers that did not follow the announced sequence (a bug if > 0)
-        self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "send": 0, "recv": 0}
         # host time spent blocked on collectives: the exposed communication on CPU/gloo (with NCCL
         # a wait only orders streams, so this stays near zero on GPUs)
         self.blocked_s = 0.0
@@ -134,6 +134,10 @@ class Runtime:
         self.counts[kind] += 1
         if self.calls is not None:
             self.calls.append(CollectiveCall(layer, kind, axis, nbytes))
+
+    def record_p2p(self, call: CollectiveCall) -> None:
+        """A pipeline transfer (kind send or recv, axis p) as torch's schedule issues it."""
+        self._record(call.layer, call.kind, call.axis, call.nbytes)
 
     def memory_kind(self, kind: str):
         """Allocations inside the context are of this kind (a no-op unless a tracer is attached)."""

@@ -39,7 +39,14 @@ TINY = ModelSpec(name="tiny-test", n_layers=2, hidden=64, n_heads=8, vocab=200, 
 # Llama-style variant: GQA (2 kv heads), SwiGLU, RMSNorm, RoPE
 LLAMA = ModelSpec(name="tiny-llama-test", n_layers=2, hidden=64, n_heads=8, n_kv_heads=2, ffn_hidden=96,
                   vocab=200, seq_len=64, vocab_multiple=64, mlp="swiglu", norm="rmsnorm", position="rope")
-MODELS = {"tiny": TINY, "llama": LLAMA}
+# deep enough for every pipeline of 8 ranks, interleaved too (8 x 2 virtual stages), and uneven (17 blocks)
+DEEP = dataclasses.replace(TINY, name="tiny-deep-test", n_layers=17)
+MODELS = {"tiny": TINY, "llama": LLAMA, "deep": DEEP}
+# a pipeline case runs on pp*vpp + 1 blocks: every split uneven (the first virtual stage holds two), the run short
+MODELS.update({f"deep{n}": dataclasses.replace(TINY, name=f"tiny-deep{n}-test", n_layers=n) for n in (3, 5, 7, 9, 13)})
+# the gradient norm's relative tolerance where fp32 noise over many blocks exceeds TOL: on the 17-block model
+# the 4D trainer on one rank is 3.3e-5 from the reference (measured), so the pipelines are held to that bar
+NORM_TOL = {name: 1e-4 for name in MODELS if name.startswith("deep")}
 
 SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 16, 8, 2, 3e-3, 0
 GRAD_CLIP = 0.5  # below the initial gradient norm: clipping is active, so the global norm matters
@@ -64,6 +71,9 @@ class Case:
     inflight: int = 2  # reduce-scatters in flight at most (ORS)
     dp: bool = True  # overlap.data_parallel: D all-reduce per bucket inside the last backward
     dp_cap: int | None = 4  # bucket cap in bytes: 4, every unit its own bucket; None, the trainer's default
+    pp: int = 1  # pipeline stages (grid is each stage's)
+    vpp: int = 1
+    schedule: str = "1f1b"
 
     def label(self) -> str:
         gx, gy, gz, gd = self.grid
@@ -72,7 +82,8 @@ class Case:
                          " blas" if self.blas else "", f" {self.model}" if self.model != "tiny" else "",
                          f" inflight={self.inflight}" if self.inflight != 2 else "",
                          f" cap={self.dp_cap}" if self.dp and self.dp_cap != 4 else ""])
-        return f"x{gx} y{gy} z{gz} d{gd} {self.order} overlap={flags}{extra}"
+        pipe = "" if self.pp == 1 else f"pp{self.pp} " + (f"v{self.vpp} " if self.vpp > 1 else "") + f"{self.schedule} "
+        return f"{pipe}x{gx} y{gy} z{gz} d{gd} {self.order} overlap={flags}{extra}"
 
 
 def factorizations(n: int, parts: int = 4):
@@ -111,6 +122,36 @@ def default_cases(world: int) -> list[Case]:
     return cases
 
 
+def pipeline_cases(world: int) -> list[Case]:
+    """Every 5D grid of `world` ranks with pp > 1, on pp*vpp + 1 blocks, the two schedules and checkpointing
+    on and off spread over them (each pair on every world), everything overlapped or nothing."""
+    grids = [(pp, g) for pp in range(2, world + 1) if world % pp == 0 for g in factorizations(world // pp)]
+    combos = [("1f1b", False), ("interleaved-1f1b", True), ("1f1b", True), ("interleaved-1f1b", False)]
+    cases = []
+    for i in range(max(len(grids), len(combos)) if grids else 0):
+        pp, g = grids[i % len(grids)]
+        schedule, ck = combos[i % len(combos)]
+        vpp = 1 if schedule == "1f1b" else (3 if pp * 3 <= DEEP.n_layers and i % 3 == 1 else 2)
+        cases.append(_pipeline_case(g, pp, vpp, schedule, ck))
+    for pp in sorted({p for p, _ in grids}):  # every degree with both schedules (pp = world has one grid)
+        for schedule, ck in (("1f1b", True), ("interleaved-1f1b", False)):
+            if not any(c.pp == pp and c.schedule == schedule for c in cases):
+                g = next(g for p, g in grids if p == pp)
+                cases.append(_pipeline_case(g, pp, 1 if schedule == "1f1b" else 2, schedule, ck))
+    return cases
+
+
+def _pipeline_case(grid, pp: int, vpp: int, schedule: str, ck: bool) -> Case:
+    n = pp * vpp + 1
+    return Case(grid, model="deep" if n == DEEP.n_layers else f"deep{n}", pp=pp, vpp=vpp, schedule=schedule,
+                ckpt=ck, oar=not ck, ors=not ck, oag=not ck)
+
+
+def world_cases(world: int) -> list[Case]:
+    """What one world of `world` ranks proves: the 4D grids and the pipelined ones."""
+    return default_cases(world) + pipeline_cases(world)
+
+
 # ---- the reference run (the same in every case of a model variant) -------------------------------
 def global_tokens(step: int) -> torch.Tensor:
     return torch.from_numpy(SyntheticText(SEED).sequences(step, range(GLOBAL_BATCH), SEQ + 1))
@@ -132,8 +173,10 @@ def reference_run(model: str, goldfish: bool) -> dict:
 
 def _config(case: Case, model_path: str) -> LaunchConfig:
     gx, gy, gz, gd = case.grid
-    micro = max(1, GLOBAL_BATCH // (gd * gz) // 2)  # two micro-batches where there are two samples
+    # two micro-batches where there are two samples; a pipeline of pp stages gets pp
+    micro = max(1, GLOBAL_BATCH // (gd * gz) // max(2, case.pp))
     return LaunchConfig(model=model_path, grid=Grid(gx, gy, gz, gd), order=case.order, global_batch=GLOBAL_BATCH,
+                        pp=case.pp, vpp=case.vpp, schedule=case.schedule,
                         micro_batch=micro, seq_len=SEQ, steps=STEPS, lr=LR, weight_decay=0.1, grad_clip=GRAD_CLIP,
                         overlap=Overlap(case.oar, case.ors, case.oag, case.inflight, case.dp), checkpointing=case.ckpt,
                         goldfish=Goldfish(4, 3) if case.goldfish else None, metrics=None, seed=SEED)
@@ -142,14 +185,16 @@ def _config(case: Case, model_path: str) -> LaunchConfig:
 def run_case(case: Case, ref: dict, model_path: str) -> dict:
     """On every rank of the world: train the case and return this rank's largest deviations."""
     cfg = _config(case, model_path)
-    grid = build_grid(*case.grid, order=case.order)
+    grid = build_grid(*case.grid, order=case.order, pp=case.pp)
     res = Resolved(torch.device("cpu"), "gloo", torch.float32, torch.float32, case.blas)
-    trainer = Trainer(cfg, grid, res, init_params=ref["init"], adam_eps=ADAM_EPS)
+    trainer = Trainer.for_grid(cfg, grid, res, init_params=ref["init"], adam_eps=ADAM_EPS)
     trainer.dp_bucket_bytes = case.dp_cap
     err = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0, "moved": 0.0, "misses": 0.0}
+    holds_loss = case.pp == 1 or trainer.pipeline.last  # a pipeline's loss is its last stage's
     for step in range(STEPS):
         out = trainer.train_step(step)
-        err["loss"] = max(err["loss"], abs(out["loss"] - ref["losses"][step]))
+        if holds_loss:
+            err["loss"] = max(err["loss"], abs(out["loss"] - ref["losses"][step]))
         err["grad_norm"] = max(err["grad_norm"], abs(out["grad_norm"] - ref["norms"][step]) / ref["norms"][step])
     model = trainer.model
     for name, w in model.weights.items():  # every replica's own shard against the reference
@@ -167,7 +212,9 @@ def run_case(case: Case, ref: dict, model_path: str) -> dict:
     err["inflight"] = trainer.rt.max_inflight_seen  # the most reduce-scatters in flight at once
     err["dp_overlapped"] = trainer.rt.dp_overlapped  # bucket D all-reduces launched inside a backward
     # every bucket of every step, when the flag is on and D split: none left for the wait to launch
-    err["dp_expected"] = STEPS * len(model.grad_buckets(case.dp_cap)) if case.dp and case.grid[3] > 1 else 0
+    # (a pipeline reduces its gradients in one blocking call after the schedule)
+    err["dp_expected"] = (STEPS * len(model.grad_buckets(case.dp_cap)) if case.dp and case.grid[3] > 1
+                          and case.pp == 1 else 0)
     full = model.gather_full_params()  # the API the memorization study uses
     err["gathered"] = max(float((full[n] - ref["final"][n]).abs().max()) for n in full)
     trainer.close()
@@ -195,7 +242,8 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], refs: dict, out
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         worst = dict(zip(sorted(err), vec.tolist()))
         results.append({"case": case.label(), "seconds": time.perf_counter() - t0, **worst,
-                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case)})
+                        "inflight_bound": case.inflight, "inflight_expected": _inflight_expected(case),
+                        "norm_tol": NORM_TOL.get(case.model, TOL)})
         if rank == 0:
             Path(out_path).write_text(json.dumps(results))
     dist.barrier()  # every rank done with every group before any of them tears the world down
@@ -215,7 +263,7 @@ def _free_port() -> int:
 
 
 def passed(r: dict) -> bool:
-    return (r["loss"] < TOL and r["grad_norm"] < TOL and r["param"] < TOL and r["gathered"] < TOL
+    return (r["loss"] < TOL and r["grad_norm"] < r.get("norm_tol", TOL) and r["param"] < TOL and r["gathered"] < TOL
             and r["misses"] == 0 and r["moved"] > 100 * TOL)
 
 
@@ -223,7 +271,7 @@ def run_world(world: int, cases: list[Case] | None = None, timeout: float = 600.
     """Spawn `world` gloo ranks, run every case, return rank 0's per-case results."""
     import yaml
 
-    cases = cases if cases is not None else default_cases(world)
+    cases = cases if cases is not None else world_cases(world)
     refs = refs if refs is not None else reference_runs(cases)
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in MODELS.items():
@@ -260,4 +308,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["Case", "default_cases", "factorizations", "passed", "run_world"]
+__all__ = ["Case", "default_cases", "factorizations", "passed", "pipeline_cases", "run_world", "world_cases"]

@@ -76,11 +76,15 @@ def check_memory(spec: ModelSpec, cfg: LaunchConfig, local_world_size: int) -> N
 def check_config(cfg: LaunchConfig, world_size: int, local_world_size: int | None = None) -> ModelSpec:
     spec = load_model(cfg.model)
     g = cfg.grid
-    if g.size != world_size:
-        raise UserError(f"the grid gx*gy*gz*gdata = {g.gx}*{g.gy}*{g.gz}*{g.gdata} = {g.size} does not match "
+    if world_size % cfg.pp:
+        raise UserError(f"pp={cfg.pp} pipeline stages do not divide the {world_size} process(es) started")
+    if cfg.world != world_size:
+        raise UserError(f"the grid gx*gy*gz*gdata{'*pp' if cfg.pp > 1 else ''} = {g.gx}*{g.gy}*{g.gz}*{g.gdata}"
+                        f"{f'*{cfg.pp}' if cfg.pp > 1 else ''} = {cfg.world} does not match "
                         f"the {world_size} process(es) started")
     seq = cfg.seq_len or spec.seq_len
-    why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq)
+    why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq, cfg.pp, cfg.vpp,
+                       cfg.schedule)
     if why:
         raise UserError(f"config cannot run model '{spec.name}': {why}")
     check_memory(spec, cfg, world_size if local_world_size is None else local_world_size)
@@ -170,7 +174,7 @@ class Trainer:
                           overlap_all_gather=ov.all_gather, max_inflight_rs=ov.max_inflight_reduce_scatters,
                           blas_tuning=res.blas_tuning, overlap_data_parallel=ov.data_parallel)
         self.model = ParallelGPT(self.spec, self.rt, seed=cfg.seed, checkpointing=cfg.checkpointing,
-                                 device=res.device, init_params=init_params)
+                                 device=res.device, init_params=init_params, **self.model_slice())
         m = self.model
         decay = [w.param for n, w in m.weights.items() if decays(n)]
         no_decay = [w.param for n, w in m.weights.items() if not decays(n)] + m.replicated_params()
@@ -189,6 +193,11 @@ class Trainer:
         self.records: list[dict] = []
         self.reporter: Reporter | None = None  # opened by the first fit(): dryrun and the proofs write nothing
         self.dp_bucket_bytes: int | None = None  # None: comm.DP_BUCKET_BYTES (the proofs set small caps)
+        self.reporting = grid.rank == 0  # the rank that prints and writes the metrics
+
+    def model_slice(self) -> dict:
+        """The part of the model this rank holds: all of it (a pipeline rank holds its stages')."""
+        return {}
 
     @classmethod
     def from_config(cls, cfg: LaunchConfig, **kw) -> Trainer:
@@ -196,7 +205,17 @@ class Trainer:
         check_config(cfg, de.world_size)
         de, res = init_distributed(cfg, de)
         g = cfg.grid
-        return cls(cfg, build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order), res, **kw)
+        grid = build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order, pp=cfg.pp)
+        return cls.for_grid(cfg, grid, res, **kw)
+
+    @classmethod
+    def for_grid(cls, cfg: LaunchConfig, grid: ParallelGrid, res: Resolved, **kw) -> Trainer:
+        """The trainer of cfg on a built grid: pipelined where cfg.pp > 1 (runtime/pipeline_train.py)."""
+        if cfg.pp > 1:
+            from axoplan.runtime.pipeline_train import PipelineTrainer
+
+            cls = PipelineTrainer
+        return cls(cfg, grid, res, **kw)
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -220,7 +239,7 @@ class Trainer:
         model.grad_buffer.zero_()
         for p in model.replicated_params():
             p.grad = None
-        loss_sum, dp_armed = self.forward_backward(tokens, keep, n_kept)
+        loss_sum, dp_armed = self.micro_batches(tokens, keep, n_kept)
         rt.moment("step")
         self.reduce_gradients(overlapped=dp_armed)
         grad_norm = self.clip_gradients()
@@ -229,8 +248,8 @@ class Trainer:
         rt.all_reduce(loss_sum, "zd", layer="loss")
         return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
 
-    def forward_backward(self, tokens: torch.Tensor, keep: torch.Tensor,
-                         n_kept: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def micro_batches(self, tokens: torch.Tensor, keep: torch.Tensor,
+                      n_kept: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Every micro-batch's forward and backward (gradient accumulation): the sum of their losses, and
         whether the D all-reduce was launched inside the last backward. The part a pipeline schedule replaces."""
         rt, model, mb = self.rt, self.model, self.cfg.micro_batch
@@ -359,7 +378,7 @@ class Trainer:
             print(f"note: no checkpoint in '{cfg.path(cfg.checkpoint_dir)}' yet: starting at step 0", file=sys.stderr)
         if self.res.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.res.device)
-        self.reporter = Reporter(cfg, active=self.grid.rank == 0, run_id=run_id, total_steps=cfg.steps,
+        self.reporter = Reporter(cfg, active=self.reporting, run_id=run_id, total_steps=cfg.steps,
                                  memory_kind=MEMORY_KIND.get(self.res.device.type, self.res.device.type),
                                  resumed_from=start,
                                  start={"checkpoint": str(path) if path else None, "world_size": self.grid.size,
@@ -392,6 +411,7 @@ class Trainer:
                 "steps": len(self.records), "timing_warmup_steps": cfg.timing_warmup_steps,
                 "last_step": self.step, "model": self.spec.name,
                 "grid": {"gx": g.gx, "gy": g.gy, "gz": g.gz, "gdata": g.gdata}, "order": g.order,
+                "pp": cfg.pp, "vpp": cfg.vpp, "schedule": cfg.schedule,
                 "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": self.seq,
                 "checkpointing": cfg.checkpointing, "overlap": vars(cfg.overlap).copy(),
                 "device": str(self.res.device), "dtype": str(self.res.compute_dtype).replace("torch.", ""),
