@@ -7,6 +7,7 @@ import time
 
 import click
 
+from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.inputs import SafePath
 
@@ -28,16 +29,42 @@ def check_environment(cfg) -> None:
                             "use backend: gloo (or auto) on CPU")
 
 
+def example_for(gpus: int | None, model: str | None):
+    """The printed example for `gpus` ranks of `model`: every rank data parallel (the one grid every model
+    divides), the global batch the smallest multiple of the ranks not below the default."""
+    from axoplan.runconfig import Grid, LaunchConfig
+
+    cfg = LaunchConfig(goldfish=None)
+    if model is not None:
+        from axoplan.planner.specs import load_model
+
+        load_model(model)  # an unknown model is one error sentence now, not at the run
+        cfg.model = model
+    if gpus is None:
+        return cfg, ""
+    cfg.grid = Grid(gdata=gpus)
+    cfg.global_batch = gpus * -(-cfg.global_batch // gpus)
+    return cfg, (f"grid: {gpus} data-parallel ranks, for torchrun --nproc-per-node {gpus}; "
+                 "'axoplan emit' writes the planner's best grid instead")
+
+
 @click.command("train")
 @click.option("--config", "config_path", type=SafePath(dir_okay=False), help="Run config YAML (a LaunchConfig).")
 @click.option("--print-config", is_flag=True, help="Print an example config with every key and its default.")
-def train(config_path, print_config):
+@click.option("--gpus", "-g", type=inputs.GPUS, default=None,
+              help="With --print-config: a grid for this many ranks (data parallel; 'axoplan emit' writes a ranked one).")
+@click.option("--model", "-m", type=inputs.TEXT, default=None, help="With --print-config: the model (preset or YAML).")
+def train(config_path, print_config, gpus, model):
     """Run the bundled 4D-parallel trainer; metrics as JSON lines on stdout and in the config's file."""
     from axoplan.runconfig import example_config_yaml, load_config
 
     if print_config:
-        click.echo(example_config_yaml(), nl=False)
+        cfg, note = example_for(gpus, model)
+        click.echo(example_config_yaml(cfg, note), nl=False)
         return
+    if gpus is not None or model is not None:
+        raise UserError("--gpus and --model shape the printed example: use them with --print-config, "
+                        "and set the grid and model in the config file for a run")
     if not config_path:
         raise UserError("give a run config with --config run.yaml (see 'axoplan train --print-config')")
     from axoplan.runtime.dist_env import read_env

@@ -42,7 +42,8 @@ def check_config(cfg: LaunchConfig, world_size: int) -> ModelSpec:
     g = cfg.grid
     if g.size != world_size:
         raise UserError(f"the grid gx*gy*gz*gdata = {g.gx}*{g.gy}*{g.gz}*{g.gdata} = {g.size} does not match "
-                        f"the {world_size} process(es) started")
+                        f"the {world_size} process(es) started; write a config for them with 'axoplan train "
+                        f"--print-config --gpus {world_size}' or start {g.size}")
     seq = cfg.seq_len or spec.seq_len
     why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq)
     if why:
