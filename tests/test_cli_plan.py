@@ -205,3 +205,25 @@ def test_real_process_exit_code_and_stderr(model_yaml, pm_path):
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert [r["rank"] for r in json.loads(ok.stdout)] == [1, 2]
+
+
+def test_one_option_vocabulary_across_commands(cli, job):
+    """A count of candidates is --top everywhere (validate's --top-k an alias); every command that plans or runs
+    a configuration takes --execution, and those running the bundled trainer refuse another in one sentence."""
+    import click
+
+    from axoplan.cli.main import cli as group
+
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        for p in group.get_command(ctx, name).params:
+            if "top" in p.name:
+                assert p.opts[0] == "--top", (name, p.opts)
+        if name in ("rank", "explain", "scale", "validate", "dryrun"):
+            assert "--execution" in [o for p in group.get_command(ctx, name).params for o in p.opts], name
+    validate = group.get_command(ctx, "validate")
+    for alias in ("--top", "--top-k", "-k"):
+        assert validate.make_context("validate", [alias, "3"]).params["top_k"] == 3
+    for command, extra in (("validate", ["--top", "3"]), ("dryrun", ["--grid", "1,1,16,1"])):
+        code, out, err = cli(command, *job, *extra, "--execution", "megatron-core")
+        assert_user_error(code, out, err, "runs the bundled trainer", "megatron-core")

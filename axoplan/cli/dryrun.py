@@ -7,17 +7,19 @@ import json
 import click
 from rich.table import Table
 
-from axoplan.cli.plan import _emit, _render, one_config, parse_grid
+from axoplan.cli.plan import _emit, _render, bundled_execution, execution_option, one_config, parse_grid
 from axoplan.errors import UserError
 
 
 @click.command("dryrun")
 @one_config
+@execution_option
 def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
-           output):
+           output, execution):
     """Will it fit? Run one training step of the bundled trainer as rank 0 of GPUS with fake tensors (no GPU,
     almost no memory), tracking every allocation, and show the traced peak memory per GPU by kind and every
     collective of the step beside the planner's prediction."""
+    bundled_execution(execution, "dryrun")
     try:
         from axoplan.runtime.dryrun import compare
     except ImportError as e:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from axoplan import inputs
-from axoplan.cli.plan import parse_grid
+from axoplan.cli.plan import bundled_execution, execution_option, parse_grid
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 
@@ -128,7 +128,8 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 # ---- validate ---------------------------------------------------------------------------------------
 @click.command("validate")
 @_job_options
-@click.option("--top-k", "-k", type=int, default=5, show_default=True, help="Run the K best distinct grids/orders.")
+@click.option("--top", "--top-k", "-k", "top_k", type=inputs.Count(1), default=5, show_default=True,
+              help="Run the K best distinct grids/orders (--top-k: the same).")
 @click.option("--all", "run_all", is_flag=True, help="Run every feasible grid and order.")
 @click.option("--steps", type=int, default=10, show_default=True, help="Training steps per run.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Steps left out of the median.")
@@ -143,10 +144,13 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 @click.option("--slurm", is_flag=True, help="Write a Slurm job array of the candidates instead of running them.")
 @click.option("--collect", "collect_dir", default=None, type=click.Path(file_okay=False),
               help="Score a --slurm sweep's runs in this folder.")
+@execution_option
 def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
-             micro_batch, checkpointing, out, resume, slurm, collect_dir):
+             micro_batch, checkpointing, out, resume, slurm, collect_dir, execution):
     """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
     from axoplan.loop import validate as sweeps
+
+    bundled_execution(execution, "validate")
 
     if collect_dir is not None:
         if not Path(collect_dir).is_dir():

@@ -105,6 +105,17 @@ def execution_option(f):
                         help=f"Framework execution: {', '.join(EXECUTIONS)}, or a YAML file of its fields.")(f)
 
 
+def bundled_execution(execution: str, command: str) -> None:
+    """Commands that run the bundled trainer (validate, dryrun) take --execution for one vocabulary with the
+    planning commands; another framework's execution is one sentence, not a run of the wrong trainer."""
+    from axoplan.planner.execution import load_execution
+
+    ex = load_execution(execution)
+    if not ex.bundled:
+        raise UserError(f"--execution {ex.name}: '{command}' runs the bundled trainer, whose execution is "
+                        f"'axoplan'; rank, explain and scale plan for {ex.name}")
+
+
 def _table(cols, title: str) -> Table:
     """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table."""
     t = Table(title=title)
