@@ -14,8 +14,9 @@ from axoplan.errors import UserError
 @click.command("dryrun")
 @one_config
 @execution_option
+@click.option("--strict", is_flag=True, help="Exit 1 when the configuration does not fit (the verdict is printed either way).")
 def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
-           output, execution):
+           output, execution, strict):
     """Will it fit? Run one training step of the bundled trainer as rank 0 of GPUS with fake tensors (no GPU,
     almost no memory), tracking every allocation, and show the traced peak memory per GPU by kind and every
     collective of the step beside the planner's prediction."""
@@ -33,7 +34,27 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
                 checkpointing=ck, overlap=not no_overlap)
     if fmt == "json":
         _emit(json.dumps(r, indent=1) + "\n", output)
-        return
+    else:
+        _emit(_render(_report(model, gpus, r)), output)
+    if strict and not r["fits"]:
+        raise SystemExit(1)
+
+
+def _gib(x: float) -> str:
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def verdict(r: dict) -> str:
+    """One line: does the traced step fit in what the profile leaves for tensors, and by how much (GiB)."""
+    used, avail = r["traced_memory_gib"], r["available_gib"]
+    budget = f"{_gib(avail)} GiB available ({r['capacity_gib']:.4g} capacity - {r['headroom_gib']:.3g} headroom)"
+    if r["fits"]:
+        return f"fits: traced {_gib(used)} GiB per GPU of the {budget}, {_gib(avail - used)} GiB left"
+    return (f"does NOT fit: traced {_gib(used)} GiB per GPU, {_gib(used - avail)} GiB over the {budget}; try a "
+            "larger gz, checkpointing on or a smaller micro-batch (axoplan rank lists what fits)")
+
+
+def _report(model, gpus, r) -> list:
     c = r["config"]
     small = r["traced_memory_gib"] < 1  # small jobs read better in MiB
     unit, scale = ("MiB", 1024) if small else ("GiB", 1)
@@ -63,4 +84,4 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
     if c["global_batch_traced"] != c["global_batch"]:
         notes.append(f"traced and predicted with global batch {c['global_batch_traced']} (two micro-batches per step): "
                      f"a step of more micro-batches holds the same peak and repeats their collectives")
-    _emit(_render([head, m, t] + notes), output)
+    return [head, m, t] + notes + [verdict(r)]
