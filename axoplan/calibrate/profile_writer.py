@@ -325,6 +325,17 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
     return net, fit_rows, summary, coll_rows
 
 
+def _device_section(meta: dict, tag: str) -> dict:
+    """What the profile was measured on, which validate, train and calibrate compare with where they run."""
+    if meta.get("cuda"):
+        return {"name": meta["device"], "count": int(meta["ranks_per_node"]),
+                "source": f"{tag}; torch.cuda.get_device_name, one GPU per rank on each node"}
+    dev = {"name": meta["device"], "source": f"{tag}; /proc/cpuinfo model name and os.cpu_count() of the host"}
+    if meta.get("cpu_count"):
+        dev["count"] = int(meta["cpu_count"])
+    return dev
+
+
 def _human(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -497,7 +508,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
                         + (f", {meta['threads_per_rank']} thread(s) each on {meta['cpu_count']} cores"
                            if not meta.get("cuda") else "")
                         + f", {meta['dtype']}; measured by axoplan calibrate {meta['date']}"),
-        "device": meta["device"],
+        "device": _device_section(meta, tag),
         "kind": "gpu" if meta.get("cuda") else "cpu",
         "dtype": meta["dtype"],
         "gpus_per_node": {"value": meta["ranks_per_node"],

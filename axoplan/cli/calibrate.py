@@ -341,6 +341,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
             raise UserError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here")
         if nproc < 2:
             raise UserError("--nproc must be at least 2: collectives need two ranks")
+        if parts is not None:
+            from axoplan.device import results_mismatch, warn
+
+            warn(results_mismatch(results_p, cuda))
         cores = os.cpu_count() or 1
         if not cuda and nproc > 16 * cores:  # each rank is a process with torch loaded: thousands would swamp the node
             raise UserError(f"--nproc {nproc} is more than 16 ranks per core on this {cores}-core machine")

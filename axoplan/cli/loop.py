@@ -158,6 +158,10 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
         sweeps.collect(collect_dir, echo=click.echo)
         return
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
+    from axoplan.device import mismatch, warn
+    from axoplan.planner.machine import load_profile
+
+    warn(mismatch(load_profile(machine)))  # the runs measure this machine, the ranking is the profile's
     sw = sweeps.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
                  micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)

@@ -84,6 +84,11 @@ def train(config_path, print_config, gpus, model):
             time.sleep(3)
             sys.exit(2)
         raise
+    if cfg.machine and de.rank == 0:  # % of peak and the plan it follows are the profile's
+        from axoplan.device import mismatch, warn
+        from axoplan.planner.machine import load_profile
+
+        warn(mismatch(load_profile(cfg.machine)))
     from axoplan.runtime.train import run
 
     run(cfg)
