@@ -227,3 +227,30 @@ def test_one_option_vocabulary_across_commands(cli, job):
     for command, extra in (("validate", ["--top", "3"]), ("dryrun", ["--grid", "1,1,16,1"])):
         code, out, err = cli(command, *job, *extra, "--execution", "megatron-core")
         assert_user_error(code, out, err, "runs the bundled trainer", "megatron-core")
+
+
+def test_tables_fit_100_columns_names_whole_units_scaled(cli, monkeypatch):
+    """At 100 columns: every line fits, every profile and model name is printed whole, the rank table leaves
+    out columns by priority and says which, and CPU-sized numbers read in MiB and GFLOP/s."""
+    from axoplan.planner.machine import profile_names
+    from axoplan.planner.specs import preset_names
+
+    monkeypatch.setenv("COLUMNS", "100")
+    for command, names in (("profiles", profile_names()), ("models", preset_names())):
+        code, out, err = cli(command)
+        assert code == 0, err
+        assert max(len(x) for x in out.splitlines()) <= 100, out
+        cells = {x.split("│")[1].strip() for x in out.splitlines() if x.startswith("│")}
+        assert set(names) <= cells, (command, set(names) - cells)
+    code, out, err = cli("rank", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "4",
+                         "--global-batch", "16", "--top", "3")
+    assert code == 0, err
+    assert max(len(x) for x in out.splitlines()) <= 100, out
+    assert "mem MiB" in out and "mem GiB" not in out and "left out to fit 100 columns: GFLOP/s/GPU" in out
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = cli("rank", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "4",
+                         "--global-batch", "16", "--top", "3")
+    assert "GFLOP/s/GPU" in out and "left out" not in out
+    code, out, err = cli("rank", "--model", "gpt-20b", "--machine", "perlmutter", "--gpus", "64",
+                         "--global-batch", "512", "--top", "3")
+    assert "mem GiB" in out and "TFLOP/s/GPU" in out

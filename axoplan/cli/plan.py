@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from axoplan import inputs
+from axoplan.cli import tablefit
 from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
 from axoplan.planner.space import ORDERS
@@ -23,12 +24,10 @@ from axoplan.planner.specs import load_model, preset_names
 
 def _console(buf: io.StringIO | None = None) -> Console:
     # emoji=False: a table of numbers and names never turns ':name:' into an emoji (nor loads rich's emoji codes)
+    # one width for the terminal and for piped output: tablefit.width (the terminal's, $COLUMNS or 100)
     if buf is not None:
-        return Console(file=buf, width=160, color_system=None, highlight=False, emoji=False)
-    import sys
-
-    # piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column fallback
-    return Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
+        return Console(file=buf, width=tablefit.width(), color_system=None, highlight=False, emoji=False)
+    return Console(highlight=False, emoji=False, width=tablefit.width())
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -61,7 +60,18 @@ def models():
         params = f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.2f}M"
         t.add_row(n, params, str(m.n_layers), str(m.hidden), str(m.n_heads), str(m.kv_heads), str(m.ffn),
                   str(m.vocab), str(m.seq_len), m.mlp, m.description)
-    _console().print(t)
+    _print_fitted(t, ["description", "mlp", "kv", "seq"])
+
+
+def _print_fitted(t: Table, drop_first: list[str], wrap: tuple[str, ...] = ()) -> None:
+    """Print a listing whose first column is the name to type: never cut, columns left out by priority."""
+    cols = tablefit.width()
+    tablefit.keep_whole(t, t.columns[0].header)
+    note = tablefit.dropped_note(tablefit.fit(t, cols, drop_first, wrap), cols)
+    con = _console()
+    con.print(t)
+    if note:
+        con.print(note)
 
 
 @click.command("profiles")
@@ -81,7 +91,8 @@ def profiles():
         t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.4g}",
                   f"{p.gemm_ceiling / 1e12:.4g}", "yes" if p.gemm_table is not None else "curve", intra,
                   f"{p.inter_busbw / 1e9:.1f}", str(path))
-    _console().print(t)
+    _print_fitted(t, ["path", "GEMM table", "inter busbw GB/s", "GEMM ceiling", "intra busbw GB/s"],
+                  wrap=("intra busbw GB/s", "path", "device"))
 
 
 def _common(f):
@@ -116,11 +127,26 @@ def bundled_execution(execution: str, command: str) -> None:
                         f"'axoplan'; rank, explain and scale plan for {ex.name}")
 
 
+def _units(cols) -> tuple[float, str, float, str]:
+    """MiB and GFLOP/s when every listed value is below 1 GiB / 1 TFLOP/s (CPU models), else GiB and TFLOP/s."""
+    mem, tf = np.asarray(cols["memory_gib"], dtype=float), np.asarray(cols["tflops_per_gpu"], dtype=float)
+    mem, tf = mem[np.isfinite(mem)], tf[np.isfinite(tf)]
+    small_mem = mem.size > 0 and float(mem.max()) < 1
+    small_tf = tf.size > 0 and float(tf.max()) < 1
+    return ((1024.0, "mem MiB") if small_mem else (1.0, "mem GiB")) + (
+        (1000.0, "GFLOP/s/GPU") if small_tf else (1.0, "TFLOP/s/GPU"))
+
+
+# the rank table's columns left out first when it is wider than the terminal (csv/json keep them all)
+RANK_DROP_FIRST = ["TFLOP/s/GPU", "GFLOP/s/GPU", "compute s", "order", "exposed comm s", "ckpt"]
+
+
 def _table(cols, title: str) -> Table:
     """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table."""
     t = Table(title=title)
+    mem_scale, mem_head, fl_scale, fl_head = _units(cols)
     heads = ["rank", "gx x gy x gz x gdata", "order", "mbs", "ckpt", "batch s", "compute s", "exposed comm s",
-             "mem GiB", "TFLOP/s/GPU", "% peak"]
+             mem_head, fl_head, "% peak"]
     reasons = not np.all(cols["feasible"])
     if reasons:
         heads.append("reason")
@@ -130,7 +156,7 @@ def _table(cols, title: str) -> Table:
              "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason")
     for rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why in zip(*(cols[n] for n in names)):
         row = [str(rk) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order, str(mbs), "on" if ckpt else "off",
-               f"{bt:.4g}", f"{comp:.4g}", f"{exp:.4g}", f"{mem:.1f}", f"{tf:.1f}", f"{pct:.1f}"]
+               f"{bt:.4g}", f"{comp:.4g}", f"{exp:.4g}", f"{mem * mem_scale:.1f}", f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
         if reasons:
             row.append(why)
         t.add_row(*row)
@@ -172,7 +198,13 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
         return
     title = (f"{r.model.name} on {gpus} x {r.profile.name} GPUs, global batch {global_batch} x {r.job.seq_len} tokens: "
              f"{r.candidates} candidates, {r.feasible} feasible, ranked in {dt * 1e3:.0f} ms")
-    parts = [_table(r.columns, title)]
+    table = _table(r.columns, title)
+    width = tablefit.width()
+    parts = [table]
+    note = tablefit.dropped_note(tablefit.fit(table, width, RANK_DROP_FIRST, wrap=("reason",)), width,
+                                 ", --format csv all")
+    if note:
+        parts.append(note)
     if r.extrapolated_gemms:
         parts.append(f"note: {r.extrapolated_gemms} listed configurations use GEMM shapes outside the "
                      f"profile's measured table (extrapolated)")
