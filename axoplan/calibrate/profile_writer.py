@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from axoplan import progress
 from axoplan.atomic import atomic_write_text
 
 from axoplan.calibrate.fit import (
@@ -492,11 +493,13 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     if meta.get("status") != "complete":
         raise CalibrationError(f"the calibration run in {results.path} did not finish")
     tag = run_tag(meta)
+    progress.step("GEMM, memory and attention")
     gemm, peak, table, s1 = gemm_part(results.rows("gemm"), part_tag(meta, "gemm"), table_name,
                                       peak_from_ceiling=not meta.get("cuda"))
     mem, overhead, s2 = memory_part(results.rows("memory"), meta, part_tag(meta, "memory"))
     attn_rows = results.rows("attention")
     att, s3 = attention_part(attn_rows, part_tag(meta, "attention"), f"{name}_attention.csv")
+    progress.step("collectives: latency and bandwidth per group shape")
     net, fit_rows, s4, coll_rows = network_part(results.rows("collectives"), meta, part_tag(meta, "collectives"),
                                                 f"{name}_collectives.csv")
     nodes = meta.get("nodes", 1)
@@ -546,6 +549,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     fw_rows = results.rows("framework")
     if fw_rows:
         bare = {"us": overhead["value"], "ops": overhead["source"].split("(")[-1].split(")")[0]}
+        progress.step("the trainer's kernel overhead")
         oh, eff, how, s5 = framework_part(fw_rows, profile, built.files(), part_tag(meta, "framework"), bare)
         profile["compute"]["kernel_overhead_us"] = oh
         mem = profile["memory"]
@@ -555,6 +559,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
         summary.update(s5)
     tr_rows = results.rows("trainer")
     if tr_rows:
+        progress.step("the trainer's corrections")
         fitted, how, s6 = trainer_part(tr_rows, profile, built.files(), part_tag(meta, "trainer"), meta["world"])
         profile["corrections"] = {**profile["corrections"], **fitted, "source": how}
         summary.update(s6)

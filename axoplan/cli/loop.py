@@ -191,6 +191,9 @@ def refit(results, machine, out, params, no_loo):
     from axoplan.loop.refit import refit as refit_api
 
     ps = "auto" if params.strip() == "auto" else [p.strip() for p in params.split(",") if p.strip()]
-    r = refit_api(results, machine, out, ps, loo=not no_loo)
+    from axoplan import progress
+
+    with progress.on_stderr("refit"):
+        r = refit_api(results, machine, out, ps, loo=not no_loo)
     click.echo(format_report(r))
     click.echo(f"wrote {out}")
