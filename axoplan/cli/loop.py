@@ -126,10 +126,32 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 
 
 # ---- validate ---------------------------------------------------------------------------------------
+MIN_TIED_RUNS = 3  # fewer cannot score a ranking (Kendall tau, best in top 3)
+
+
+def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing) -> int:
+    """How many distinct grids/orders validate runs by default: those the ranking calls tied with the best
+    (the evidence cannot order them), at least MIN_TIED_RUNS; said in one line."""
+    from axoplan.loop.validate import distinct_configs
+    from axoplan.planner.rank import ranking
+
+    r = ranking(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
+                checkpointing=checkpointing)
+    plan = distinct_configs(r.frame())
+    tied = int(plan["tied"].astype(bool).sum())
+    n = min(len(plan), max(MIN_TIED_RUNS, tied))
+    err = r.uncertainty.expected_error if r.uncertainty else None
+    within = f"within +/-{100 * err:.0f}%, the expected error," if err is not None else "(no expected error known)"
+    click.echo(f"validating {n} grid(s)/order(s): the best, the {max(tied - 1, 0)} tied with it {within} and "
+               f"the next ones up to {MIN_TIED_RUNS} (--top K or --all for more)")
+    return n
+
+
 @click.command("validate")
 @_job_options
-@click.option("--top", "--top-k", "-k", "top_k", type=inputs.Count(1), default=5, show_default=True,
-              help="Run the K best distinct grids/orders (--top-k: the same).")
+@click.option("--top", "--top-k", "-k", "top_k", type=inputs.Count(1), default=None,
+              help="Run the K best distinct grids/orders (--top-k: the same). Default: those tied with the best "
+                   "(within the expected error of its time), at least 3.")
 @click.option("--all", "run_all", is_flag=True, help="Run every feasible grid and order.")
 @click.option("--steps", type=int, default=10, show_default=True, help="Training steps per run.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Steps left out of the median.")
@@ -162,6 +184,8 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
     from axoplan.planner.machine import load_profile
 
     warn(mismatch(load_profile(machine)))  # the runs measure this machine, the ranking is the profile's
+    if top_k is None and not run_all:
+        top_k = _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing)
     sw = sweeps.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
                  micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)

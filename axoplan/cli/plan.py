@@ -154,9 +154,13 @@ def _table(cols, title: str) -> Table:
         t.add_column(col, justify="right" if col not in ("order", "reason") else "left")
     names = ("rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
              "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason")
-    for rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why in zip(*(cols[n] for n in names)):
-        row = [str(rk) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order, str(mbs), "on" if ckpt else "off",
-               f"{bt:.4g}", f"{comp:.4g}", f"{exp:.4g}", f"{mem * mem_scale:.1f}", f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
+    tie = np.asarray(cols["tied"], dtype=bool) if "tied" in cols else np.zeros(len(cols["rank"]), dtype=bool)
+    # times to 3 significant digits: the published evidence puts their error at several percent
+    for (rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why), tied in zip(
+            zip(*(cols[n] for n in names)), tie):
+        row = [(str(rk) + ("~" if tied and rk != 1 else "")) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order,
+               str(mbs), "on" if ckpt else "off", f"{bt:.3g}", f"{comp:.3g}", f"{exp:.3g}", f"{mem * mem_scale:.1f}",
+               f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
         if reasons:
             row.append(why)
         t.add_row(*row)
@@ -205,6 +209,11 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
                                  ", --format csv all")
     if note:
         parts.append(note)
+    if r.uncertainty is not None:
+        n_tied = int(np.sum(np.asarray(r.columns["tied"], dtype=bool))) - 1
+        parts.append(r.uncertainty.show() + (
+            f"; ~ marks the {n_tied} listed configuration{'s' * (n_tied != 1)} within it of the best (tied: the "
+            "evidence cannot order them; validate runs them)" if n_tied > 0 else ""))
     if r.extrapolated_gemms:
         parts.append(f"note: {r.extrapolated_gemms} listed configurations use GEMM shapes outside the "
                      f"profile's measured table (extrapolated)")
@@ -284,4 +293,6 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
         mtab.add_row(r.kind, f"{r.gib:.2f}")
     parts.append(mtab)
     parts += [f"note: {n}" for n in ex.notes]
+    if ex.uncertainty is not None:
+        parts.append(ex.uncertainty.show())
     _emit(_render(parts), output)

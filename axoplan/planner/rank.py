@@ -16,12 +16,16 @@ from axoplan.errors import UserError
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
 from axoplan.planner.space import ORDERS, Candidates, enumerate_space
 from axoplan.planner.specs import Job, ModelSpec, load_model
+from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it
     import pandas as pd
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
-           "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason"]
+           "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
+           # added after the fixed ones: within the expected error of the best (the evidence cannot order
+           # them), and that error (planner/uncertainty.py)
+           "tied", "expected_error"]
 
 
 def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
@@ -37,10 +41,12 @@ def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
     return out
 
 
-def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile) -> dict:
+def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile,
+             unc: Uncertainty | None = None) -> dict:
     """The rows `idx` as numpy columns, COLUMNS in order; `rank` counts rows from 1 and means
     nothing where `feasible` is false (the DataFrame holds NA there)."""
     tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
+    err = unc.expected_error if unc is not None else None
     return {
         "rank": np.arange(1, len(idx) + 1),
         "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
@@ -49,6 +55,8 @@ def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachinePro
         "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
         "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
         "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
+        "tied": tied(ev.batch_time[idx], ev.feasible[idx], err),
+        "expected_error": np.full(len(idx), np.nan if err is None else err),
     }
 
 
@@ -73,6 +81,7 @@ class Ranking:
     feasible: int  # in the space
     extrapolated_gemms: int  # listed feasible rows with GEMM shapes outside the profile's table
     execution: Execution = AXOPLAN  # how the framework runs the step
+    uncertainty: Uncertainty | None = None  # the expected error of these times (planner/uncertainty.py)
 
     def __len__(self) -> int:
         return len(self.columns["rank"])
@@ -155,8 +164,9 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     if include_infeasible:
         inf = np.nonzero(~ev.feasible)[0]
         idx = np.concatenate([feas, inf[np.argsort(ev.batch_time[inf], kind="stable")]])
-    return Ranking(_columns(ev, c, idx, p), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
-                   extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex)
+    unc = expected_error(p, ex.name, job.gpus)
+    return Ranking(_columns(ev, c, idx, p, unc), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
+                   extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex, uncertainty=unc)
 
 
 @dataclass
@@ -167,6 +177,7 @@ class Explanation:
     memory: pd.DataFrame  # per memory kind, GiB
     notes: list
     execution: Execution = AXOPLAN  # how the framework runs the step
+    uncertainty: Uncertainty | None = None  # the expected error of its time (planner/uncertainty.py)
 
 
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
@@ -187,7 +198,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
     ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True, execution=ex)
-    summary = _frame(_columns(ev1, one, np.array([0]), p))
+    unc = expected_error(p, ex.name, job.gpus)
+    summary = _frame(_columns(ev1, one, np.array([0]), p, unc))
     d = ev1.detail
     sched, st = d["schedule"], d["time"]
     ga = int(np.ravel(sched.grad_acc)[0])
@@ -230,4 +242,4 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         notes.append("some GEMM shapes fall outside the profile's measured table: their time is extrapolated")
     if not bool(ev1.feasible[0]):
         notes.append("this configuration is NOT feasible: " + summary["reason"][0])
-    return Explanation(summary, colls, windows, memory, notes, ex)
+    return Explanation(summary, colls, windows, memory, notes, ex, unc)
