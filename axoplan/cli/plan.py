@@ -270,7 +270,10 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
                "execution": dataclasses.asdict(ex.execution)}
         _emit(json.dumps(out, indent=1) + "\n", output)
         return
-    parts = [_table(ex.summary, "configuration")]
+    width = tablefit.width()
+    conf = _table(ex.summary, "configuration")
+    parts = [conf]
+    left = tablefit.fit(conf, width, RANK_DROP_FIRST)
     t = Table(title="collectives per step (time per call from bytes / bus bandwidth + latency)")
     for col in ("layer", "phase", "collective", "axis", "group", "stride", "MiB/call", "busbw GB/s", "ms/call",
                 "calls", "total s"):
@@ -278,6 +281,7 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
     for r in ex.collectives.itertuples(index=False):
         t.add_row(r.layer, r.phase, r.collective, r.axis, str(r.group_size), str(r.stride), f"{r.bytes / 2**20:.3g}",
                   f"{r.busbw_gbs:.1f}", f"{r.time_per_call_s * 1e3:.3g}", str(r.calls_per_step), f"{r.total_s:.4g}")
+    left += tablefit.fit(t, width, ["stride", "busbw GB/s", "MiB/call", "axis"])
     parts.append(t)
     w = Table(title="layer windows per step (compute vs window time; the difference is exposed communication)")
     for col in ("pass", "layer", "x per micro-batch", "compute s", "window s", "exposed comm s"):
@@ -293,6 +297,9 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
         mtab.add_row(r.kind, f"{r.gib:.2f}")
     parts.append(mtab)
     parts += [f"note: {n}" for n in ex.notes]
+    note = tablefit.dropped_note(left, width, ", --format json all")
+    if note:
+        parts.append(note)
     if ex.uncertainty is not None:
         parts.append(ex.uncertainty.show())
     _emit(_render(parts), output)
