@@ -79,3 +79,23 @@ def test_calibrate_writes_the_device_section(tmp_path):
     built = profile_writer.build(write(tmp_path / "r"), "synthetic", "synthetic_gemm.csv")
     dev = built.profile["device"]
     assert set(dev) >= {"name", "source"} and dev["name"]
+
+
+def test_train_warns_in_one_line_when_its_machine_profile_is_another_device(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    pytest.importorskip("torch")
+    prof = _copy(tmp_path, "device: {name: Some Other CPU 9000, count: 96, source: test}")
+    cfg = {"model": "gpt-tiny", "steps": 2, "warmup_steps": 1, "global_batch": 1, "micro_batch": 1, "seq_len": 16,
+           "machine": str(prof), "metrics": str(tmp_path / "m.jsonl")}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    r = subprocess.run([sys.executable, "-m", "axoplan.cli", "train", "--config", str(tmp_path / "run.yaml")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    warnings = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and "Some Other CPU 9000" in warnings[0]
