@@ -283,3 +283,18 @@ def test_parts_measured_later_keep_their_own_date(tmp_path):
     prof = profile_writer.build(rd, "s", "s_gemm.csv").profile
     assert "--parts attention" in prof["compute"]["attention"]["source"]
     assert "--parts" not in prof["compute"]["gemm"]["dim_half"]["source"]
+
+
+def test_the_fitting_stage_reports_its_progress(tmp_path):
+    """calibrate's fitting stage is not silent: each part says when it starts (to the command's stderr)."""
+    import io
+
+    from axoplan import progress
+
+    buf = io.StringIO()
+    with progress.on_stderr("fitting the profile", stream=buf):
+        profile_writer.build(write(tmp_path / "r"), "synthetic", "synthetic_gemm.csv")
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("fitting the profile: GEMM, memory and attention (")
+    assert any("collectives: latency and bandwidth" in x for x in lines)
+    assert profile_writer.build(write(tmp_path / "r2"), "s", "s.csv")  # no reporter opened: silent, same result
