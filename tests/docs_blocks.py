@@ -22,6 +22,8 @@ RUN_LANGS = ("bash", "sh", "shell", "console")
 CODE_LANGS = ("yaml", "python", "json", "toml")
 # axoplan commands the test suite runs for real: the planner's, each well under a few seconds
 CHEAP = ("models", "profiles", "rank", "explain", "emit", "scale")
+# how a shell command starts, for commands printed outside a bash block (which the test then refuses)
+SHELL_START = re.compile(r"^(python3?|pip|pytest|torchrun|bash|srun|sbatch|export|cd|[A-Z_]+=\S+ )\b")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def commands(root: Path = ROOT) -> list[Command]:
                         out.append(Command(doc, no, cmd[2:].strip(), "transcript", ""))
                     elif cmd.startswith("axoplan "):
                         out.append(Command(doc, no, cmd.strip(), "synopsis", ""))
+                    elif SHELL_START.match(cmd):  # a command outside a bash block: neither run nor marked
+                        out.append(Command(doc, no, cmd.strip(), "untagged", ""))
     return out
 
 
@@ -140,6 +144,8 @@ def words(simple: str) -> list[str]:
             skip = w != "2>&1"
             continue
         if re.match(r"^[0-9]?>>?\S+", w):
+            continue
+        if not out and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w):  # an environment prefix: NAME=value command
             continue
         out.append(w)
     return out

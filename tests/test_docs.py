@@ -78,7 +78,7 @@ def _grid_problems(ws: list[str], args: list[str], cwd: Path) -> list[str]:
     return [] if n == size else [f"{path.name}'s grid has {size} rank(s), torchrun starts {n}"]
 
 
-def static_problems(simple: str, cwd: Path) -> list[str]:
+def static_problems(simple: str, cwd: Path, made: set = frozenset()) -> list[str]:
     ws = D.words(simple)
     args = D.axoplan_args(ws)
     if args is not None:
@@ -87,6 +87,7 @@ def static_problems(simple: str, cwd: Path) -> list[str]:
     if head not in DEFERRED:
         return [f"'{head}' is neither run nor checked here: mark it '# needs ...' or make it runnable"]
     rest = ws[1:]
+    made_dirs = {(m,) for m in made}  # folders the document's earlier commands write (--out)
     if head in ("python", "python3") and rest[:1] == ["-m"]:
         mod = rest[1]
         if mod in ("pip", "pytest"):
@@ -97,7 +98,7 @@ def static_problems(simple: str, cwd: Path) -> list[str]:
             return []
     if head in ("python", "python3", "bash"):
         script = rest[0] if rest else ""
-        if not ((D.ROOT / script).is_file() or (cwd / script).is_file()):
+        if not ((D.ROOT / script).is_file() or (cwd / script).is_file() or Path(script).parts[:1] in made_dirs):
             return [f"no file {script} (in the repository or made by the commands above it)"]
     if head == "pytest":
         for w in rest:
@@ -117,6 +118,12 @@ def check_document(path: Path, tmp: Path, root: Path = D.ROOT) -> tuple[list[str
             continue
         if c.kind == "synopsis":
             problems += [f"{c.where()}: {p}" for p in option_problems(D.words(c.text.replace("...", ""))[1:])]
+            ws = D.words(c.text.replace("...", ""))
+            made.update(ws[i + 1] for i, w in enumerate(ws[:-1]) if w == "--out")  # what its reader made
+            continue
+        if c.kind == "untagged":
+            problems.append(f"{c.where()}: '{c.text}' is a command in a plain block: fence it ```bash (marking "
+                            "what cannot run here '# needs ...')")
             continue
         if c.needs:
             continue
@@ -133,7 +140,7 @@ def check_document(path: Path, tmp: Path, root: Path = D.ROOT) -> tuple[list[str
                 if r.returncode != 0:
                     problems.append(f"{c.where()}: '{simple}' exited {r.returncode}: {r.stderr.strip()[-300:]}")
             else:
-                problems += [f"{c.where()}: {p}" for p in static_problems(simple, tmp)]
+                problems += [f"{c.where()}: {p}" for p in static_problems(simple, tmp, made)]
                 made.update(ws[i + 1] for i, w in enumerate(ws[:-1]) if w == "--out")
     return problems, ran
 
@@ -163,9 +170,9 @@ def test_a_drifted_or_unmarked_command_is_caught(tmp_path):
     (root / "README.md").write_text(
         "```bash\naxoplan rank --model gpt-tiny --machine localhost-cpu --gpus 2 --global-batch 4 --top 2\n"
         "axoplan rank --modle gpt-tiny\nsbatch x.sbatch\nsbatch y.sbatch   # needs a Slurm cluster\n```\n\n"
-        "```\naxoplan explain --model M [--nonsense]\n```\n")
+        "```\naxoplan explain --model M [--nonsense]\n```\n\n```\npytest -q tests/test_docs.py\n```\n")
     problems, ran = check_document(root / "README.md", tmp_path, root)
     assert ran == 2
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
     assert "exited 2" in problems[0] and "'sbatch' is neither run nor checked" in problems[1]
-    assert "no option --nonsense" in problems[2]
+    assert "no option --nonsense" in problems[2] and "a command in a plain block" in problems[3]
