@@ -51,7 +51,7 @@ def verdict(r: dict) -> str:
     if r["fits"]:
         return f"fits: traced {_gib(used)} GiB per GPU of the {budget}, {_gib(avail - used)} GiB left"
     return (f"does NOT fit: traced {_gib(used)} GiB per GPU, {_gib(used - avail)} GiB over the {budget}; try a "
-            "larger gz, checkpointing on or a smaller micro-batch (axoplan rank lists what fits)")
+            "larger gz, checkpointing or a smaller micro-batch")
 
 
 def _report(model, gpus, r) -> list:
