@@ -1,10 +1,12 @@
 """Progress of long computations (refit's fits, calibrate's fitting stage) on stderr, one line: the
 library reports stages through step(); only a command that opened on_stderr() prints them, so library
-callers and tests stay silent. On a terminal the line is rewritten in place; piped, a stage prints one
-line when it starts and at most one every 10 s after."""
+callers and tests stay silent. On a terminal the line is rewritten in place and cleared at the end (an
+error after it is still the one line on stderr); piped, nothing, unless AXOPLAN_PROGRESS=1 asks for a line
+per stage (at most one every 10 s) in a log."""
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -49,7 +51,12 @@ def step(stage: str, done: int | None = None, total: int | None = None) -> None:
 
 @contextmanager
 def on_stderr(prefix: str, stream=None):
-    r = _Reporter(prefix, stream or sys.stderr)
+    """`stream` given: report there whatever it is (tests, logs)."""
+    out = stream or sys.stderr
+    if stream is None and not out.isatty() and os.environ.get("AXOPLAN_PROGRESS") != "1":
+        yield None
+        return
+    r = _Reporter(prefix, out)
     token = _sink.set(r)
     try:
         yield r

@@ -106,8 +106,9 @@ def test_one_node_runs_cannot_fit_inter_node_bandwidth(tmp_path, write_profile, 
     assert "inter_bw_scale" not in chosen  # no group leaves the node: it changes no prediction
 
 
-def test_refit_cli_never_edits_the_old_profile(setup, capsys):
+def test_refit_cli_never_edits_the_old_profile(setup, capsys, monkeypatch):
     tmp, model, prof = setup
+    monkeypatch.setenv("AXOPLAN_PROGRESS", "1")  # progress lines although stderr is not a terminal
     res = tmp / "results.csv"
     synthetic_results(res, model, prof, TRUE, [(8, 32)], every=2)
     before = prof.read_text()
