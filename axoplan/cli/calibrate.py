@@ -343,10 +343,6 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
             raise UserError(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here")
         if nproc < 2:
             raise UserError("--nproc must be at least 2: collectives need two ranks")
-        if parts is not None:
-            from axoplan.device import results_mismatch, warn
-
-            warn(results_mismatch(results_p, cuda))
         cores = os.cpu_count() or 1
         if not cuda and nproc > 16 * cores:  # each rank is a process with torch loaded: thousands would swamp the node
             raise UserError(f"--nproc {nproc} is more than 16 ranks per core on this {cores}-core machine")
@@ -359,6 +355,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
                         "name another folder with --results") as lock:
             # workers a killed calibration left running would share the cores with ours and write its folder
             lock.end_orphans(click.echo)
+            if parts is not None:  # under the lock: a refusal above stays the one line on stderr
+                from axoplan.device import results_mismatch, warn
+
+                warn(results_mismatch(results_p, cuda))
             run = {"env_extra": lock.env()}
             if parts is not None or _complete(results_p):
                 # the complete run there stays whole until this one has finished: measured beside it, then
