@@ -30,8 +30,12 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
     if g[0] * g[1] * g[2] * g[3] != gpus:
         raise UserError(f"--grid {grid} has {g[0] * g[1] * g[2] * g[3]} GPUs, not the {gpus} of --gpus")
     ck = None if checkpointing == "best" else checkpointing == "on"
-    r = compare(model, machine, gpus, global_batch, g, order=order, seq_len=seq_len, micro_batch=micro_batch,
-                checkpointing=ck, overlap=not no_overlap)
+    from axoplan import progress
+
+    with progress.on_stderr("dryrun"):  # a large model takes several seconds to trace
+        progress.step(f"tracing one training step as rank 0 of {gpus} with fake tensors")
+        r = compare(model, machine, gpus, global_batch, g, order=order, seq_len=seq_len, micro_batch=micro_batch,
+                    checkpointing=ck, overlap=not no_overlap)
     if fmt == "json":
         _emit(json.dumps(r, indent=1) + "\n", output)
     else:
