@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import stat
 import tempfile
 from contextlib import contextmanager
@@ -71,12 +72,25 @@ def _target(path: Path) -> tuple[Path, os.stat_result | None]:
     return real, st
 
 
+# the names of an already open file descriptor: /dev/stdout, /dev/fd/N, /proc/self/fd/N, /proc/PID/fd/N
+_FD_NAME = re.compile(r"^/(?:dev/(?:stdin|stdout|stderr|fd/\d+)|proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd/\d+)$")
+
+
 def _is_stream(path: Path) -> bool:
-    """/dev/stdout, /dev/fd/N, /proc/self/fd/N: an already open stream (maybe a file the shell opened
-    with >>), written through, never renamed over."""
+    """Whether path names an already open stream (maybe a file the shell opened with >>), written
+    through, never renamed over: decided by following its links to a file-descriptor name, never by
+    the folder it sits in (/dev/shm is an ordinary file system, its files are replaced like any)."""
     p = os.path.abspath(path)
-    link = os.readlink(p) if os.path.islink(p) else ""
-    return p.startswith(("/dev/", "/proc/")) or link.startswith(("/proc/", "/dev/"))
+    for _ in range(40):  # the kernel's own limit on links followed
+        if _FD_NAME.match(p):
+            return True
+        if not os.path.islink(p):
+            return False
+        try:
+            p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+        except OSError:
+            return False
+    return False
 
 
 def _write_in_place(path: Path, data: bytes) -> None:
@@ -235,4 +249,13 @@ def check_writable(path: str | Path, what: str) -> Path:
         ok = os.access(parent, os.W_OK | os.X_OK) and (not path.exists() or os.access(path, os.W_OK))
     if not ok:
         raise OutputError(f"{what} '{path}' cannot be written: permission denied or read-only")
+    if not path.exists() or stat.S_ISREG(path.stat().st_mode):
+        # access() answers for permissions only (root passes every folder): a temporary file beside the
+        # output, removed at once, finds a read-only mount, a full disk or a folder that refuses new files
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".axoplan-probe.", dir=parent)
+        except OSError as e:
+            raise OutputError(f"{what} '{path}' cannot be written: {_reason(e)}") from None
+        os.close(fd)
+        _unlink(tmp)
     return path

@@ -22,6 +22,9 @@ MAX_SEED = 2**32 - 1  # numpy's seed range, which the trainer and the studies sh
 MAX_GPUS_PER_NODE = 4096
 MAX_COUNT = 2**31 - 1  # any other count (layers, heads, ...): a C int
 MAX_TEXT = 4096  # characters in a name or path
+# AdamW moves each weight by about lr per step: above 1 every weight leaves its scale in one step, and
+# the losses become inf or NaN (1e300 overflows Adam's own arithmetic)
+MAX_LR = 1.0
 
 _INT = re.compile(r"^[+-]?[0-9]+$")
 
@@ -83,6 +86,13 @@ def bad_char(s: str) -> str | None:
         if unicodedata.category(c) in ("Cc", "Zl", "Zp", "Cs"):
             return c
     return None
+
+
+def printable(s: str) -> str:
+    """s with every character bad_char refuses written as an escape (\\x1b): text from a run's log
+    or any other file reaches the terminal inert."""
+    return "".join(c.encode("unicode_escape", "backslashreplace").decode("ascii") if bad_char(c) else c
+                   for c in s)
 
 
 def text(value: Any, name: str, allow_empty: bool = False) -> str:

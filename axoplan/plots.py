@@ -19,11 +19,16 @@ def pyplot():
     return plt
 
 
-def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
-    """Render fig as a PNG, close it, and write it to path atomically."""
+def png_bytes(fig, dpi: int = 110) -> bytes:
+    """Render fig as a PNG and close it: the bytes, for a command that writes its outputs as one set."""
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=dpi)
     finally:
         pyplot().close(fig)
-    return write_output(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Render fig as a PNG, close it, and write it to path atomically."""
+    return write_output(path, png_bytes(fig, dpi))

@@ -92,6 +92,9 @@ class LaunchConfig:
         if (not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0
                 or self.warmup_steps > inputs.MAX_STEPS):
             bad(f"warmup_steps must be a non-negative integer, got {inputs.show(self.warmup_steps)}")
+        if self.warmup_steps >= self.steps:
+            bad(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps}): the summary's "
+                f"median is taken over the steps after warm-up")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
                                          or not 0 < self.seq_len <= inputs.MAX_SEQ_LEN):
             bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {inputs.show(self.seq_len)}")
@@ -123,6 +126,8 @@ class LaunchConfig:
                 bad(f"{name} must be a finite number {'> 0' if lo_open else '>= 0'}, got {inputs.show(v)}")
 
         num("lr", self.lr, True)
+        if self.lr > inputs.MAX_LR:
+            bad(f"lr must be at most {inputs.MAX_LR:g} (AdamW moves every weight by about lr per step), got {self.lr:g}")
         num("weight_decay", self.weight_decay, False)
         num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:

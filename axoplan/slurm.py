@@ -6,11 +6,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from axoplan.errors import UserError
 from axoplan.shell import check_script, slug
 
 
+MAX_TIME_S = 365 * 86400
+
+
 def slurm_time(seconds: float) -> str:
-    """--time as HH:MM:SS, rounded up to whole minutes (at least one)."""
+    """--time as HH:MM:SS, rounded up to whole minutes (at least one); refused beyond a year (a
+    prediction that long, or an inf from extreme inputs, is no time limit any scheduler takes)."""
+    if not math.isfinite(seconds) or seconds > MAX_TIME_S:
+        raise UserError(f"the Slurm time limit would be {seconds:.3g} s, more than a year: the predicted run is "
+                        f"too long for a batch job (fewer --steps, or check the machine profile's numbers)")
     s = 60 * max(1, math.ceil(seconds / 60))
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)

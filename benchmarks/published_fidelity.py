@@ -17,8 +17,12 @@ Mapping to the 4D space (gx, gy, gz, gdata):
   kernel, about half its rate): machines.yaml attention_kernel_scale, with its source.
 - Micro-batch a source does not state: the model's fastest feasible choice for the grid; unstated recompute in
   Megatron-Core: its default, none (--recompute-granularity unset).
-Left out (listed with --excluded, counted always): pipeline parallelism, fp8, torch.compile (fused kernels the
-model does not describe), context parallelism, asynchronous TP, rows with no time, fp16.
+- Pipeline parallelism (Megatron, Megatron-DeepSpeed): pp stages of that grid, 1F1B, or interleaved with the
+  virtual stages the source gives (Korthikanti et al.'s interleave factor); unstated (Megatron-Core's README):
+  the fastest feasible schedule and vpp the execution runs, as for an unstated micro-batch.
+- Out-of-memory rows (BLOOM's search) are predicted too and counted as called infeasible or not.
+Left out (listed with --excluded, counted always): fp8, torch.compile (fused kernels the model does not
+describe), context parallelism, asynchronous TP, rows with no time, fp16.
 
 Measured time per iteration: the source's own when it gives one; else global batch x sequence / tokens per
 second; else (Megatron-Core TFLOP/s) Megatron's model-FLOP count 72·B·s·L·h²·(1 + s/6h + V/12hL) / (TFLOP/s x
@@ -62,6 +66,17 @@ from axoplan.planner.specs import ModelSpec, load_model
 
 DATA = Path(__file__).resolve().parent / "data"
 # llm-foundry with PyTorch FSDP SHARD_GRAD_OP: the weights kept gathered after the forward
+# BLOOM's Megatron-DeepSpeed (bigscience-workshop/bigscience train/tr11-176B-ml/tr11-176B-ml.slurm @003b250): bf16
+# with DeepSpeed's "own zero stage 1 equivalent" (ZERO_STAGE=0 comment), --checkpoint-activations, no dropout
+# flags (Megatron's default 0.1), Megatron's fused softmax over [S, S] (no FlashAttention in 2022), no sequence
+# parallelism, DeepSpeed's pipeline engine (1F1B-like TrainSchedule), blocks split unevenly by
+# --pp-partition-method 'type:transformer|embedding'
+MEGATRON_DEEPSPEED = dataclasses.replace(
+    PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
+    optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False,
+    source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
+           "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
+           "DeepSpeed pipeline engine)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -84,6 +99,10 @@ class Run:
     group: str  # one model on one machine: the Kendall tau group
     notes: list = field(default_factory=list)
     execution: Execution = AXOPLAN  # how the source's framework ran the step (axoplan/planner/execution.py)
+    pp: int = 1  # pipeline stages (the grid is each stage's)
+    vpp: int | None = None  # virtual stages per pipeline rank (interleaved)
+    schedule: str | None = None  # None: 1f1b, or interleaved where vpp > 1; "all": unstated (the fastest feasible)
+    oom: bool = False  # the source says it ran out of memory (measured_s is then nan)
 
 
 def read_table(name: str) -> list[dict]:
@@ -173,17 +192,16 @@ def megatron_core():
     runs, out = [], []
     for r in read_table(src):
         label = f"{r['dataset']} {r['model']} {r['gpus']}gpu tp{r['tp']} pp{r['pp']}"
-        if int(r["pp"]) > 1:
-            out.append((src, label, "pipeline parallel"))
-            continue
         L, h, s, V = int(r["layers"]), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"])
         B, gpus = int(r["global_batch"]), int(r["gpus"])
         flop = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
         meas = flop / (float(r["measured"]) * 1e12 * gpus)
         model = _gpt(r["model"].lower(), L, h, r["heads"], V, s)
+        pp = int(r["pp"])
         runs.append(Run("megatron-core-h100", src, label, model, gpus, B, s, (1, int(r["tp"]), 1, int(r["dp"])), "yzx",
-                        None, False, meas, f"megatron-core-h100:{r['model']}", ["mb unstated"],
-                        PRESETS["megatron-core"]))
+                        None, False, meas, f"megatron-core-h100:{r['model']}",
+                        ["mb unstated"] + (["schedule unstated"] if pp > 1 else []), PRESETS["megatron-core"], pp=pp,
+                        schedule="all" if pp > 1 else None))
     return runs, out
 
 
@@ -192,9 +210,7 @@ def korthikanti():
     runs, out = [], []
     for r in read_table(src):
         label = f"{r['model']} tp{r['tp']} pp{r['pp']} {r['mode'][:30]}"
-        if int(r["pp"]) > 1:
-            out.append((src, label, "pipeline parallel"))
-            continue
+        vpp = int(r["pipeline_interleave"])
         full = r["mode"].startswith("full")
         model = _gpt(r["model"].lower(), r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq_len"])
         runs.append(Run("korthikanti-selene", src, label, model, int(r["gpus"]), int(r["global_batch"]),
@@ -203,7 +219,8 @@ def korthikanti():
                         [] if full else ["core-sel", "SP"],
                         # their baseline: the whole block recomputed, no SP; the present work: SP and the core
                         dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=not full,
-                                            recompute="full" if full else "attention-core")))
+                                            recompute="full" if full else "attention-core"),
+                        pp=int(r["pp"]), vpp=vpp if vpp > 1 else None))
     return runs, out
 
 
@@ -213,17 +230,20 @@ def bloom():
     for r in read_table(src):
         label = f"{r['model']} L{r['layers']} tp{r['tp']} pp{r['pp']} dp{r['dp']} mb{r['micro_batch']} {r['date_2022']}"
         t = _f(r["time_per_iteration"])
-        if int(r["pp"]) > 1:
-            reason = "pipeline parallel"
-        elif r["status"] != "ok":
-            reason = f"status {r['status']} (no time): memory check only"
+        oom = r["status"] == "OOM"
+        if int(r["tp"]) * int(r["pp"]) * int(r["dp"]) != int(r["gpus"]):
+            reason = f"tp x pp x dp = {int(r['tp']) * int(r['pp']) * int(r['dp'])} is not the row's {r['gpus']} GPUs"
+        elif r["status"] not in ("ok", "OOM"):
+            reason = f"status {r['status']} (no time)"
+        elif oom and _f(r["layers"]) and _f(r["heads"]):
+            reason = None
         elif t is None:
             reason = "no time per iteration in the source"
         elif "fp16" in r["framework"]:
             reason = "fp16 with checkpointing not stated"
         elif not _f(r["layers"]) or not _f(r["heads"]):
             reason = "layers or heads not recorded"
-        else:
+        elif not oom:
             # the logged TFLOP/s (Megatron-DeepSpeed, recompute counted) must match the time at this batch
             L, h, s, V, B = int(float(r["layers"])), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"]), int(r["global_batch"])
             flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / int(r["gpus"])
@@ -235,9 +255,12 @@ def bloom():
             continue
         model = _gpt(f"bloom-{r['params_b']}b-L{int(float(r['layers']))}", r["layers"], r["hidden"], r["heads"],
                      r["vocab"], r["seq_len"])
+        # Kendall tau within each date's block of runs (the search changed the model between blocks)
         runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
                         (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
-                        "full activation checkpointing" in r["framework"], t, f"bloom-jeanzay:{r['model']}", []))
+                        "full activation checkpointing" in r["framework"], float("nan") if oom else t,
+                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [], MEGATRON_DEEPSPEED,
+                        pp=int(r["pp"]), oom=oom))
     return runs, out
 
 
@@ -274,6 +297,8 @@ def machine_profiles() -> dict:
     for ds, d in spec.items():
         p = load_profile(d["profile"])
         kw = {}
+        if "inter_busbw_gbs" in d:
+            kw["inter_busbw"] = d["inter_busbw_gbs"]["value"] * GB
         if "capacity_gib" in d:
             kw["mem_capacity"] = d["capacity_gib"]["value"] * GIB
         if "headroom_gib" in d:
@@ -293,11 +318,13 @@ def predict(run: Run, profile) -> dict:
     try:
         e = explain(run.model, profile, run.gpus, run.global_batch, grid=run.grid, order=run.order,
                     seq_len=run.seq_len, micro_batch=run.micro_batch, checkpointing=run.checkpointing,
-                    execution=run.execution)
+                    execution=run.execution, pp=run.pp, vpp=run.vpp, schedule=run.schedule)
     except UserError as err:
         return {"error": str(err)}
     s = e.summary.iloc[0]
     pred = float(s["batch_time_s"])
+    if run.oom:
+        return {"oom": True, "feasible": bool(s["feasible"]), "memory_gib": float(s["memory_gib"])}
     return {"predicted_s": pred, "ratio": pred / run.measured_s, "feasible": bool(s["feasible"]),
             "memory_gib": float(s["memory_gib"]), "micro_batch": int(s["micro_batch"]),
             "checkpointing": bool(s["checkpointing"]), "exposed_share": float(s["exposed_comm_s"]) / pred,
@@ -309,6 +336,7 @@ def predict(run: Run, profile) -> dict:
 
 
 def summarise(rows: list[dict]) -> dict:
+    ooms = [r for r in rows if r.get("oom")]
     ok = [r for r in rows if "ratio" in r]
     ratio = np.array([r["ratio"] for r in ok])
     err = np.abs(ratio - 1)
@@ -319,12 +347,13 @@ def summarise(rows: list[dict]) -> dict:
             tau = kendalltau([r["tokens_per_gpu_pred"] for r in grp], [r["tokens_per_gpu_meas"] for r in grp]).statistic
             if np.isfinite(tau):
                 taus.append(float(tau))
-    return {"rows": len(ok), "errors": len(rows) - len(ok),
+    return {"rows": len(ok), "errors": len(rows) - len(ok) - len(ooms),
             "mean_err_pct": float(100 * err.mean()) if len(ok) else None,
             "max_err_pct": float(100 * err.max()) if len(ok) else None,
             "median_ratio": float(np.median(ratio)) if len(ok) else None,
             "kendall_tau": float(np.mean(taus)) if taus else None, "tau_groups": len(taus),
             "infeasible_that_ran": sum(not r["feasible"] for r in ok),
+            "oom_rows": len(ooms), "oom_called_infeasible": sum(not r["feasible"] for r in ooms),
             "median_pred_pct_peak": float(np.median([r["pred_pct_peak"] for r in ok])) if ok else None,
             "median_meas_pct_peak": float(np.median([r["meas_pct_peak"] for r in ok])) if ok else None,
             "median_exposed_share": float(np.median([r["exposed_share"] for r in ok])) if ok else None}
@@ -425,7 +454,8 @@ def main(argv=None) -> int:
     for run in runs:
         p = predict(run, profiles[run.dataset])
         rows.append({"dataset": run.dataset, "source": run.source, "label": run.label, "group": run.group,
-                     "grid": "x".join(map(str, run.grid)), "seq_len": run.seq_len, "global_batch": run.global_batch,
+                     "grid": "x".join(map(str, run.grid)) + (f" pp{run.pp}" if run.pp > 1 else "")
+                     + (f"v{run.vpp}" if run.vpp else ""), "seq_len": run.seq_len, "global_batch": run.global_batch,
                      "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
                      "execution": run.execution.name, **p})
     datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
@@ -434,16 +464,15 @@ def main(argv=None) -> int:
         ok = [r for r in rows if r["dataset"] == ds and "ratio" in r]
         summary[ds]["profile"] = profiles[ds].name
         summary[ds]["worst"] = sorted(ok, key=lambda r: -abs(np.log(r["ratio"])))[:args.worst]
-    allok = [r for r in rows if "ratio" in r]
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
     abl = ablation(runs, profiles) if args.ablate else None
     if args.write_uncertainty:
-        write_uncertainty(allok, meta)
+        write_uncertainty([r for r in rows if "ratio" in r], meta)
         print(f"wrote {UNCERTAINTY_FILE.relative_to(DATA.parent.parent)}", file=sys.stderr)
     layers = layer_times(profiles)
 
     if args.format == "json":
-        json.dump({**meta, "datasets": summary, "overall": summarise(allok),
+        json.dump({**meta, "datasets": summary, "overall": summarise(rows),
                    "excluded": [{"source": s, "label": lab, "reason": why} for s, lab, why in excluded],
                    **({"ablation": abl} if abl else {}), "layer_times": layers,
                    "rows": rows}, sys.stdout, indent=1, default=str)
@@ -456,14 +485,16 @@ def main(argv=None) -> int:
     print(f"published GPU runs vs axoplan, {meta['date']}, commit {meta['commit']}: time per iteration, "
           f"error = |pred/meas - 1|, tau over tokens/s/GPU within one model on one machine")
     hdr = (f"{'dataset':22} {'profile':9} {'rows':>4} {'mean err':>8} {'max err':>8} {'med p/m':>8} {'tau (grp)':>10} "
-           f"{'OOM-ran':>7} {'%pk pred':>8} {'%pk meas':>8} {'exposed':>7}")
+           f"{'OOM-ran':>7} {'OOM->inf':>8} {'%pk pred':>8} {'%pk meas':>8} {'exposed':>7}")
     print(hdr)
     print("-" * len(hdr))
     for ds in datasets + ["overall"]:
-        s = summary[ds] if ds != "overall" else summarise(allok)
+        s = summary[ds] if ds != "overall" else summarise(rows)
         tau = "-" if s["kendall_tau"] is None else f"{s['kendall_tau']:+.2f} ({s['tau_groups']})"
         print(f"{ds:22} {s.get('profile', ''):9} {s['rows']:4d} {pct(s['mean_err_pct']):>8} {pct(s['max_err_pct']):>8} "
-              f"{s['median_ratio']:8.2f} {tau:>10} {s['infeasible_that_ran']:7d} {s['median_pred_pct_peak']:8.1f} "
+              f"{s['median_ratio']:8.2f} {tau:>10} {s['infeasible_that_ran']:7d} "
+              f"{str(s['oom_called_infeasible']) + '/' + str(s['oom_rows']) if s['oom_rows'] else '-':>8} "
+              f"{s['median_pred_pct_peak']:8.1f} "
               f"{s['median_meas_pct_peak']:8.1f} {pct(100 * s['median_exposed_share']):>7}")
     print("\n(%pk: model FLOP per GPU, the planner's accounting, over peak, at the predicted and at the measured time; "
           "exposed: median share of predicted time that is exposed communication; OOM-ran: runs the model calls out of "

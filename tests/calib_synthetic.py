@@ -27,10 +27,25 @@ def meta(world=4, ranks_per_node=4, **kw):
     return m
 
 
-def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0) -> ResultsDir:
+def nccl_truth(lat_scale: float):
+    """NCCL's default protocol rows for an H100 on Intel hosts (the synthetic GPU run's truth)."""
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    d = gpu_physics.nccl_protocols(90, "intel")
+    return gpu_physics.parse({"network": {"protocols": d}}, _Reader("test")).protocols, lat_scale
+
+
+def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None) -> ResultsDir:
+    """gpu_truth: (busbw of one ring leaving a node, latency scale) -- a GPU run whose groups crossing nodes
+    follow NCCL's protocol model with those two numbers (comm.protocol_time), the rest as on CPUs."""
+    from axoplan.planner.comm import protocol_time
+
     rng = random.Random(seed)
     rd = ResultsDir(path)
     md = meta(world, ranks_per_node)
+    if gpu_truth is not None:
+        md.update(cuda="12.4", cuda_capability=90, cpu_vendor="intel", device="Test GPU")
     md["status"] = "running"
     rd.start(md)
 
@@ -41,8 +56,14 @@ def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0) -> ResultsDir:
         cross = crosses_nodes(p, s, ranks_per_node)
         bw = INTER_BW / min(s, ranks_per_node) if cross else BUSBW[(p, s)]
         for c in COLLECTIVES:
-            for nbytes in [2**e for e in range(10, 27, 2)]:
-                t = jitter(ring_steps(c, p) * ALPHA + ring_volume(c, p, nbytes) / (bw * SCALE[c]))
+            for nbytes in [2**e for e in range(10, 27 if gpu_truth is None or not cross else 33, 2)]:
+                if cross and gpu_truth is not None:
+                    pr, lat = nccl_truth(gpu_truth[1])
+                    m = max(min(ranks_per_node // s, p), 1)
+                    t = jitter(float(protocol_time(pr, c, nbytes, p, m, -(-p // m), gpu_truth[0] / min(s, ranks_per_node),
+                                                   lat)))
+                else:
+                    t = jitter(ring_steps(c, p) * ALPHA + ring_volume(c, p, nbytes) / (bw * SCALE[c]))
                 rd.append("collectives", {"collective": c, "size": p, "stride": s, "crosses_nodes": cross,
                                           "bytes": nbytes, "seconds": t, "seconds_min_rank": t,
                                           "busbw_gbs": ring_volume(c, p, nbytes) / t / 1e9, "burst_s": 0.0})

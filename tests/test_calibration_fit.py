@@ -95,6 +95,26 @@ def test_inter_node_fitted_from_groups_that_cross_nodes(tmp_path):
     assert intra == set(BUSBW)
 
 
+def test_gpu_run_across_nodes_fits_nccls_protocol_model(tmp_path):
+    """A GPU run on 4 nodes of 4 whose crossing groups follow NCCL's protocol model with a 120 GB/s plateau and
+    latencies 1.6x NCCL's defaults (1 KiB-4 GiB): the fit recovers both and writes network.protocols, which
+    the planner loads; a CPU run writes none (test_profile_numbers_from_synthetic_run)."""
+    rd = write(tmp_path / "r", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6))
+    built = profile_writer.build(rd, "gpu-nodes", "t.csv")
+    net = built.profile["network"]
+    assert net["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
+    assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
+    assert built.summary["protocols"]["rms_rel_err"] < 0.03
+    assert net["protocols"]["latency_scale"]["value"] == pytest.approx(1.6, rel=0.05)
+    simple = net["protocols"]["ring"][2]
+    assert simple["protocol"] == "Simple" and simple["net_us"] == 14.0  # NCCL's default row, unscaled
+    from axoplan.planner.machine import load_profile
+
+    profile_writer.write(rd, tmp_path / "gpu.yaml")
+    prof = load_profile(str(tmp_path / "gpu.yaml"))
+    assert prof.physics.protocols is not None and prof.inter_busbw == pytest.approx(120e9, rel=0.05)
+
+
 def test_incomplete_run_is_refused(tmp_path):
     rd = write(tmp_path / "r")
     m = rd.meta()

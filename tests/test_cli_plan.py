@@ -18,6 +18,7 @@ from axoplan.cli.main import main
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
            "tied", "expected_error"]
 
 

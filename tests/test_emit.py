@@ -90,14 +90,14 @@ def test_slingshot_profiles_get_libfabric_settings_and_profiles_may_override(tmp
     from conftest import profile_dict
 
     d = profile_dict()
-    d["launch"] = {"env": {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "ODD": "it's \"quoted\" $x"}, "source": "site docs"}
+    d["launch"] = {"env": {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_ODD": "it's \"quoted\" $x"}, "source": "site docs"}
     p = load_profile(str(write_profile(raw=d, name="withenv")))
     env = launch_env(p)
-    assert [n for n, _, _ in env] == ["NCCL_IB_HCA", "ODD"]
+    assert [n for n, _, _ in env] == ["NCCL_IB_HCA", "NCCL_ODD"]
     cfg = config_from_row(rank("gpt-tiny", p, 4, 8, top=1).iloc[0], "gpt-tiny", 8)
     script = torchrun_script(cfg, p)
     path = tmp_path / "t.sh"
-    path.write_text(script.replace('if (( NNODES == 1 )); then', 'printf "%s\\n" "$ODD"; exit 0\nif true; then'))
+    path.write_text(script.replace('if (( NNODES == 1 )); then', 'printf "%s\\n" "$NCCL_ODD"; exit 0\nif true; then'))
     out = subprocess.run(["bash", str(path)], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "it's \"quoted\" $x"
 

@@ -14,6 +14,7 @@ from conftest import tiny_model
 # fixed from issue 2 on: written out here, not imported, so a change to rank.COLUMNS fails this test
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
            "tied", "expected_error"]
 
 
@@ -33,7 +34,7 @@ def test_columns_and_sorting(model, pm_path):
     assert np.all(df["gx"] * df["gy"] * df["gz"] * df["gdata"] == 16)
     assert df.attrs["feasible"] == len(df)
     # no duplicate candidate
-    key = ["gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing"]
+    key = ["gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "pp", "vpp", "schedule"]
     assert not df.duplicated(key).any()
 
 

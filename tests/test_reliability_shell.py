@@ -120,14 +120,14 @@ def _profile_with(tmp_path, name="evil", launch=None):
 
 @pytest.mark.parametrize("field", ["name", "source", "env_value"])
 def test_a_newline_in_a_profile_name_or_launch_section_is_refused(tmp_path, field):
-    launch = {"env": {"X": "1"}, "source": "ok"}
+    launch = {"env": {"NCCL_X": "1"}, "source": "ok"}
     name = "pm"
     if field == "name":
         name = "pm\ntouch PWNED"
     elif field == "source":
         launch["source"] = "vendor\ntouch PWNED"
     else:
-        launch["env"]["X"] = "1\ntouch PWNED"
+        launch["env"]["NCCL_X"] = "1\ntouch PWNED"
     with pytest.raises(UserError, match="control character"):
         load_profile(str(_profile_with(tmp_path, name, launch)))
 
@@ -135,7 +135,7 @@ def test_a_newline_in_a_profile_name_or_launch_section_is_refused(tmp_path, fiel
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(source=hostile, value=hostile)
 def test_hostile_launch_source_and_values_stay_inert(tmp_path, source, value):
-    prof = load_profile(str(_profile_with(tmp_path, "pm", {"env": {"AXO_X": value}, "source": source})))
+    prof = load_profile(str(_profile_with(tmp_path, "pm", {"env": {"NCCL_AXO_X": value}, "source": source})))
     assert launch_env(prof)[0][1] == value
     for script in _scripts(tmp_path, "gpt-tiny", prof):
         _runs_clean(script.replace('exec "$PYTHON"', '"$PYTHON"').replace("srun ", "true "), tmp_path)

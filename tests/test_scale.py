@@ -25,7 +25,8 @@ def unlimited(name="dgx-h100"):
     p = load_profile(name)
     return p.replace(inter_busbw=INF, intra_groups=tuple((s, st, INF) for s, st, _ in p.intra_groups),
                      intra_latency=0.0, inter_latency=0.0, kernel_overhead=0.0,
-                     physics=dataclasses.replace(p.physics, base_latency=0.0))  # NCCL's per-call base too
+                     # NCCL's per-call base too, and no protocol model (its latencies live in network.protocols)
+                     physics=dataclasses.replace(p.physics, base_latency=0.0, protocols=None))
 
 
 # ---- parsing -----------------------------------------------------------------------------

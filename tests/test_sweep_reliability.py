@@ -152,8 +152,10 @@ def test_a_stale_or_unreadable_lock_is_taken_over(tmp_path, pm_path):
                                                                   "candidate": "c01"}])))
     s = V.run_sweep(sweep(pm_path, top_k=1), out, echo=lambda s: None, launcher=launcher_of([summary_cmd(1.0)]))
     assert s["ok"] == 1  # this test's own process (whose pid the record names) was left alone
-    # a recorded run group still alive (same pid and start time) is ended, marker or not
-    orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # a recorded run group still alive (same pid and start time) that this folder's sweep started (it
+    # carries the folder's marker) is ended; one without the marker is not (issue 27: a forged lock)
+    orphan = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                              env=dict(os.environ, **{P.MARKER: str(out.resolve())}))
     try:
         (out / "sweep.lock").write_text(json.dumps(dict(here, runs=[{"pgid": orphan.pid,
                                                                       "start": P.proc_start(orphan.pid)}])))

@@ -211,7 +211,9 @@ def run(dist, world: int, ranks_per_node: int, sizes_bytes: list[int], dtype, de
         world_max: Callable[[float], float], gather: Callable[[float], list[float]],
         on_result: Callable[[CollectiveResult], None], repeats: int = 5, min_batch_s: float = 5e-3,
         shapes: list[tuple[int, int]] | None = None, barrier: Callable[[], object] | None = None,
-        interleave: bool = False) -> None:
+        interleave: bool = False, cross_bytes: list[int] | None = None) -> None:
+    """cross_bytes: the sizes for groups that cross nodes, where they differ (a GPU run across nodes
+    sweeps them to 4 GiB, as nccl-tests does: the size x node-count curves the protocol model is fitted to)."""
     bursts = [compute_burst(device, n) if n else None for n in (BURST_CALLS if interleave else (0,))]
     for (p, s) in shapes or group_shapes(world):
         # every rank must create every group, in the same order
@@ -221,7 +223,7 @@ def run(dist, world: int, ranks_per_node: int, sizes_bytes: list[int], dtype, de
             # the burst alone, re-measured per shape: the machine's state drifts over a long sweep
             b_s = burst_seconds(burst, world_max, repeats, min_batch_s, barrier) if burst is not None else 0.0
             for name in COLLECTIVES:
-                for nbytes in sizes_bytes:
+                for nbytes in (cross_bytes or sizes_bytes) if cross else sizes_bytes:
                     dist.barrier()
                     real, slow, fast = measure(dist, name, mine, p, nbytes, dtype, device, world_max, gather,
                                                repeats, min_batch_s, barrier, burst, b_s)

@@ -94,3 +94,51 @@ def fit_dim_half(m, n, k, tflops, ceiling_tflops: float) -> tuple[float, float]:
 
     r = minimize_scalar(loss, bounds=(math.log(1e-3), math.log(1e5)), method="bounded")
     return math.exp(r.x), math.sqrt(r.fun)
+
+
+@dataclass(frozen=True)
+class ProtocolFit:
+    """NCCL's protocol model fitted to collectives that cross nodes: the plateau busbw of one ring leaving a
+    node (bytes/s), a scale on every latency of NCCL's defaults, and the fit's relative error."""
+
+    busbw: float
+    latency_scale: float
+    rms_rel_err: float
+    max_rel_err: float
+    points: int
+
+
+def fit_protocols(protocols, rows: Sequence[dict], ranks_per_node: int, busbw0: float) -> ProtocolFit:
+    """The two numbers of the protocol model a cluster sets (comm.protocol_time with NCCL's default rows):
+    the plateau and a latency scale, fitted to the measured size x node-count curves of every group shape
+    that crosses nodes (rows: collective, size, stride, bytes, seconds), each group's plateau shared by the
+    min(stride, ranks per node) groups that leave a node at once, as the planner shares it. Least squares
+    in log time (every size counts alike), from busbw0 and NCCL's own latencies."""
+    from scipy.optimize import minimize
+
+    from axoplan.planner.comm import protocol_time
+
+    if len(rows) < 2:
+        raise ValueError("a fit needs at least two measurements")
+    kinds = [r["collective"] for r in rows]
+    p = np.array([r["size"] for r in rows], float)
+    s = np.array([r["stride"] for r in rows], float)
+    nb = np.array([r["bytes"] for r in rows], float)
+    t = np.array([r["seconds"] for r in rows], float)
+    per_node = np.clip(np.floor(ranks_per_node / s), 1.0, p)
+    nodes = np.ceil(p / per_node)
+    share = np.minimum(s, ranks_per_node)
+
+    def pred(x):
+        bw, lat = math.exp(x[0]), math.exp(x[1])
+        return np.array([float(protocol_time(protocols, k, nb[i], p[i], per_node[i], nodes[i], bw / share[i], lat))
+                         for i, k in enumerate(kinds)])
+
+    def loss(x):
+        return float(np.mean((np.log(pred(x)) - np.log(t)) ** 2))
+
+    r = minimize(loss, np.array([math.log(busbw0), 0.0]), method="Nelder-Mead",
+                 options={"xatol": 1e-4, "fatol": 1e-10, "maxiter": 2000})
+    rel = pred(r.x) / t - 1
+    return ProtocolFit(math.exp(r.x[0]), math.exp(r.x[1]), float(np.sqrt(np.mean(rel**2))),
+                       float(np.max(np.abs(rel))), len(t))

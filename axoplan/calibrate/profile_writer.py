@@ -309,7 +309,14 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
                + ", ".join(f"{b * 1e3:.2g}" for b in bursts) + " ms, column burst_s), less the burst's own time "
                "(what a call costs between compute, as in training)" if len(bursts) > 1 else "")
             + "; the planner interpolates these (log-log) on measured shapes, the fit above serves the rest")}
+    protocols, proto_summary = _protocols_part(rows, meta, tag, inter_bw) if inter else (None, None)
+    if protocols is not None:
+        inter_bw = proto_summary["busbw_gbs"] * 1e9
+        inter_src = (f"{tag}; the plateau of one ring leaving a node, fitted with network.protocols (NCCL's "
+                     f"protocol model) to every group shape crossing nodes ({proto_summary['points']} points, rms "
+                     f"error {proto_summary['rms_rel_err']:.0%}); shared by min(stride, ranks per node)")
     net = {
+        **({"protocols": protocols} if protocols is not None else {}),
         "intra_node": intra_node,
         "inter_node": {
             "busbw_gbs": {"value": _r(inter_bw / 1e9), "source": inter_src},
@@ -322,7 +329,7 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
     }
     summary = {"latency_us": latency * 1e6, "busbw_gbs": {f"{p}x{s}": ar[(p, s)].beta_bps / 1e9 for p, s in intra},
                "network_model_rms_rel_err": model_rms, "network_model_max_rel_err": model_max,
-               "inter_node_measured": bool(inter), "scales": scales}
+               "inter_node_measured": bool(inter), "scales": scales, "protocols": proto_summary}
     return net, fit_rows, summary, coll_rows
 
 
@@ -335,6 +342,31 @@ def _device_section(meta: dict, tag: str) -> dict:
     if meta.get("cpu_count"):
         dev["count"] = int(meta["cpu_count"])
     return dev
+
+
+def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
+    """network.protocols for a GPU run across nodes: NCCL's default rows for the GPU generation and host CPU
+    the worker recorded, their latencies scaled and the plateau fitted to the groups that cross nodes (the
+    size x node-count curves). None where NCCL's defaults for the device are not written in axoplan (no
+    CUDA, before Ampere, an unknown host CPU)."""
+    from axoplan.calibrate.fit import fit_protocols
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    if not meta.get("cuda"):
+        return None, None
+    d = gpu_physics.nccl_protocols(int(meta.get("cuda_capability") or 0), str(meta.get("cpu_vendor") or ""))
+    cross = [r for r in rows if r["crosses_nodes"]]
+    if d is None or len(cross) < 2:
+        return None, None
+    pr = gpu_physics.parse({"network": {"protocols": d}}, _Reader("NCCL's default protocols")).protocols
+    f = fit_protocols(pr, cross, meta["ranks_per_node"], busbw0)
+    d["latency_scale"] = {"value": _r(f.latency_scale, 4), "source": (
+        f"{tag}; every latency of NCCL's default rows below x this, fitted with the plateau inter_node.busbw_gbs to "
+        f"{f.points} measurements of groups crossing nodes (least squares in log time), rms error "
+        f"{f.rms_rel_err:.0%} (max {f.max_rel_err:.0%})")}
+    return d, {"busbw_gbs": f.busbw / 1e9, "latency_scale": f.latency_scale, "rms_rel_err": f.rms_rel_err,
+               "max_rel_err": f.max_rel_err, "points": f.points}
 
 
 def _human(n: int) -> str:

@@ -105,8 +105,13 @@ class ResultsDir:
 
 
 def _text(p: Path) -> str:
+    from axoplan.errors import UserError
+    from axoplan.yamlio import read_bytes
+
     try:
-        data = p.read_bytes()
+        data = read_bytes(p, str(p), 1 << 30)  # a FIFO or device in the folder is refused, never read
+    except UserError as e:
+        raise ResultsError(str(e)) from None
     except OSError as e:
         raise ResultsError(f"cannot read {p}: {(e.strerror or str(e)).lower()}") from None
     try:

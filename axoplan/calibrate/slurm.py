@@ -16,7 +16,8 @@ def sbatch_script(nodes: int, nproc_per_node: int, out: str, results: str, quick
     job = slug(f"axoplan-calibrate-{out.rsplit('/', 1)[-1].rsplit('.', 1)[0]}")
     about = [comment(f"Written by: {cmd}"),
              f"# Measures GEMMs, memory and collectives on {nodes} node(s) x {nproc_per_node} ranks, including the groups",
-             comment(f"that cross nodes, then fits and writes the profile {quote(out, '--out')}. "
+             comment("that cross nodes (on GPUs swept on to 4 GiB: the size x node-count curves NCCL's protocol model "
+                     f"is fitted to), then fits and writes the profile {quote(out, '--out')}. "
                      f"Submit with: sbatch <this file>")]
     # the nodes are measured whole: another job beside the ranks would slow what they measure
     lines = slurm.header(job_name=job, nodes=nodes, ntasks_per_node=1,

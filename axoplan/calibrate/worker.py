@@ -28,6 +28,8 @@ class Plan:
     gemm_repeats: int
     repeats: int
     gemm_values: list = field(default_factory=list)
+    # sizes for groups that cross nodes (a GPU run across nodes: on to 4 GiB); empty: coll_bytes
+    coll_bytes_cross: list = field(default_factory=list)
 
 
 PARTS = ("gemm", "collectives", "memory", "attention", "framework", "trainer", "overlap")
@@ -80,8 +82,16 @@ def make_plan(world: int, ranks_per_node: int, cuda: bool, quick: bool, models: 
     from axoplan.calibrate.framework import CONFIGS
 
     attn |= {(mb, heads, seq, hidden // heads) for _, _, mb, hidden, heads, _, seq in CONFIGS}
+    # across nodes on GPUs the size x node-count curve, as nccl-tests sweeps it: on to 4 GiB (the protocol
+    # model's plateau and latencies are fitted to it)
+    cross = []
+    if cuda and world > ranks_per_node and not coll_max:
+        cross, b = list(sizes), sizes[-1] * step
+        while b <= 4 * 1024 * mib:
+            cross.append(b)
+            b *= step
     return Plan(shapes, group_shapes(world), sizes, bw, sorted(acts), sorted(attn),
-                gemm_repeats=3, repeats=3 if quick else 5, gemm_values=values)
+                gemm_repeats=3, repeats=3 if quick else 5, gemm_values=values, coll_bytes_cross=cross)
 
 
 def _proc_kib(path: str, key: str) -> int | None:
@@ -121,6 +131,19 @@ def _cpu_name() -> str:
     from axoplan.device import cpu_name
 
     return cpu_name()
+
+
+def _cpu_vendor() -> str:
+    """'amd' or 'intel' from /proc/cpuinfo's vendor_id (NCCL's tuning differs by host CPU vendor), else ''."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    v = line.split(":", 1)[1].strip()
+                    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(v, "")
+    except OSError:
+        pass
+    return ""
 
 
 def merge_meta(old: dict, new: dict, parts: set) -> dict:
@@ -261,6 +284,9 @@ def main(argv=None) -> int:
         "backend_version": ("nccl " + ".".join(map(str, torch.cuda.nccl.version()))) if cuda else "gloo",
         "device": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
         "cuda": torch.version.cuda if cuda else None,
+        # NCCL's protocol constants differ by GPU generation and host CPU vendor (network.protocols)
+        "cuda_capability": (lambda c: c[0] * 10 + c[1])(torch.cuda.get_device_capability(device)) if cuda else None,
+        "cpu_vendor": _cpu_vendor(),
         "dtype": "bf16" if cuda else "fp32",
         "world": world,
         "ranks_per_node": local_world,
@@ -368,6 +394,7 @@ def main(argv=None) -> int:
         phase_done("trainer")
     if "collectives" in only:
         collectives.run(dist, world, local_world, plan.coll_bytes, dtype, device, world_max, gather, on_coll,
+                        cross_bytes=plan.coll_bytes_cross,
                         repeats=plan.repeats, min_batch_s=coll_batch_s, barrier=busy, interleave=oversubscribed)
         phase_done("collectives")
     if "overlap" in only and oversubscribed:  # GPUs overlap on other engines: not measured there

@@ -28,6 +28,9 @@ def _check_out(out: str | None) -> Path:
         raise UserError(f"--out must name a .yaml file, got '{out}'")
     if p.exists() and p.is_dir():
         raise UserError(f"--out '{out}' is a folder; give a file name ending in .yaml")
+    from axoplan.atomic import check_writable
+
+    check_writable(p, "--out")  # before minutes of measuring, and before the raw results are committed
     return p
 
 
@@ -168,8 +171,11 @@ def _commit(staging: Path, results: Path) -> None:
 
 def _last_error_line(log_path: Path) -> str:
     try:
-        lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
-    except OSError:
+        from axoplan.yamlio import read_bytes
+
+        text = read_bytes(log_path, str(log_path), 16 << 20, tail=True).decode(errors="replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+    except (OSError, UserError):
         return ""
     # the first exception line a worker printed (torchrun's own ChildFailedError summary comes later)
     for line in lines:
@@ -179,19 +185,27 @@ def _last_error_line(log_path: Path) -> str:
     return ""
 
 
-def _validate_written(built) -> None:
-    """Load the profile with the planner's own loader before it replaces anything."""
+def _validate_written(built, results: Path, out: Path) -> None:
+    """Load the profile with the planner's own loader before it replaces anything (from a temporary
+    copy, which no message names: it is gone when the user reads it)."""
     try:
         from axoplan.planner.machine import load_profile
     except ImportError:  # the planner's loader is not there yet: nothing to check against
         return
     with tempfile.TemporaryDirectory() as d:
-        for fname, text in built.files().items():
-            (Path(d) / fname).write_text(text)
         try:
-            load_profile(str(Path(d) / f"{built.profile['name']}.yaml"))
+            for fname, text in built.files().items():
+                (Path(d) / fname).write_text(text)
+        except OSError as e:
+            raise UserError(f"cannot check the profile fitted from '{results}' before writing it: "
+                            f"{(e.strerror or str(e)).lower()}") from None
+        tmp = Path(d) / f"{built.profile['name']}.yaml"
+        try:
+            load_profile(str(tmp))
         except UserError as e:
-            raise UserError(f"the measured profile does not pass the planner's schema check ({e})") from None
+            why = str(e).replace(f"machine profile '{tmp}': ", "").replace(str(Path(d)), str(out.parent))
+            raise UserError(f"the profile fitted from the results in '{results}' does not pass the planner's "
+                            f"schema check ({why})") from None
 
 
 def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False,
@@ -407,7 +421,7 @@ def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, 
             built = profile_writer.build(rd, name, f"{name}_gemm.csv")
     except CalibrationError as e:
         raise UserError(f"cannot make a profile from {results_p}: {e}") from None
-    _validate_written(built)
+    _validate_written(built, results_p, out_p)
     from axoplan.atomic import atomic_write_text
 
     try:

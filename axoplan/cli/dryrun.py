@@ -26,6 +26,10 @@ def dryrun(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order,
     except ImportError as e:
         raise UserError(f"'axoplan dryrun' runs the bundled trainer and needs torch, which is not installed "
                         f"({e.name or e}): pip install 'axoplan[runtime]'") from None
+    if output:
+        from axoplan.atomic import check_writable
+
+        check_writable(output, "--output")  # before the trace, which takes seconds to minutes
     g = parse_grid(grid)
     if g[0] * g[1] * g[2] * g[3] != gpus:
         raise UserError(f"--grid {grid} has {g[0] * g[1] * g[2] * g[3]} GPUs, not the {gpus} of --gpus")

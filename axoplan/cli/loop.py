@@ -108,13 +108,19 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
         raise UserError("--order goes with --grid (a ranked row has its own order)")
     if steps <= 0 or warmup < 0:
         raise UserError(f"--steps must be positive and --warmup non-negative, got {steps} and {warmup}")
+    if warmup >= steps:
+        raise UserError(f"--warmup ({warmup}) must be smaller than --steps ({steps}): the summary's median is "
+                        f"taken over the steps after warm-up")
     g = parse_grid(grid) if grid is not None else None
+    from axoplan.loop.launch import check_layout
+
+    check_layout(gpus, load_profile(machine))
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
                                       checkpointing)
     profile = load_profile(machine)
     machine_ref = str(Path(profile.path).resolve()) if profile.path else machine
     cfg = config_from_row(chosen, model, global_batch, seq_len, machine=machine_ref, steps=steps,
-                          warmup_steps=min(warmup, steps - 1))
+                          warmup_steps=warmup)
     files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
                           candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
     click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "
@@ -122,6 +128,11 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
                f"predicted {chosen['batch_time_s']:.4g} s per batch, {chosen['memory_gib']:.3g} GiB per GPU")
     for p in files.values():
         click.echo(f"wrote {p}")
+    from axoplan.loop.launch import env_summary
+
+    note = env_summary(profile)
+    if note:
+        click.echo(note)
     click.echo(f"run it: bash {shlex.quote(str(Path(out) / 'launch_torchrun.sh'))}")
 
 

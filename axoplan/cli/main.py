@@ -2,13 +2,17 @@
 called, so `axoplan rank` never pays for torch or matplotlib."""
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
 import click
 
 from axoplan.errors import UserError
-from axoplan.inputs import check_argv
+from axoplan.inputs import check_argv, printable
+
+# what a file system says when it refuses a write (full, too large for a ulimit, read-only, quota, I/O)
+_FS_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EIO}
 
 # command name -> (module, attribute, one-line help shown by `axoplan --help`)
 COMMANDS = {
@@ -68,7 +72,7 @@ def main(argv=None):
         check_argv(sys.argv[1:] if argv is None else list(argv))
         rv = cli.main(args=argv, prog_name="axoplan", standalone_mode=False)
     except UserError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {printable(str(e))}", err=True)  # a message quoting a file never moves the terminal
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -84,9 +88,10 @@ def main(argv=None):
         sys.exit(0)
     except OSError as e:
         # the last net under the one output writer: a file system refusal a command did not word itself
-        if e.filename is None:
+        if e.filename is None and e.errno not in _FS_ERRNOS:
             raise
-        click.echo(f"error: cannot use '{e.filename}': {(e.strerror or str(e)).lower()}", err=True)
+        where = f"use '{printable(str(e.filename))}'" if e.filename is not None else "write an output"
+        click.echo(f"error: cannot {where}: {(e.strerror or str(e)).lower()}", err=True)
         sys.exit(2)
     sys.exit(rv if isinstance(rv, int) else 0)
 

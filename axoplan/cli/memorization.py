@@ -45,7 +45,7 @@ def _eval_at(value: str | None):
 @click.option("--seq-len", type=inputs.SEQ_LEN, default=None, help="Training sequence length (default: the model's); a document "
                                                         "is seq-len + 1 tokens, the last 50 of them are decoded.")
 @click.option("--batch", "global_batch", type=inputs.GLOBAL_BATCH, default=8, show_default=True, help="Documents per optimizer step.")
-@click.option("--lr", type=inputs.Number(0, lo_open=True), default=3e-3, show_default=True,
+@click.option("--lr", type=inputs.Number(0, inputs.MAX_LR, lo_open=True), default=3e-3, show_default=True,
               help="AdamW learning rate (constant; 3e-3 suits the tiny CPU models, larger models want less).")
 @click.option("--weight-decay", type=inputs.Number(0), default=0.0, show_default=True, help="AdamW weight decay.")
 @click.option("--seed", type=inputs.SEED, default=0, show_default=True, help="Initialization, document choice and order.")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import time
 
@@ -14,6 +15,7 @@ from axoplan import inputs
 from axoplan.cli import tablefit
 from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
+from axoplan.planner.pipeline import SCHEDULES
 from axoplan.planner.space import ORDERS
 from axoplan.planner.machine import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
@@ -141,30 +143,64 @@ def _units(cols) -> tuple[float, str, float, str]:
 RANK_DROP_FIRST = ["TFLOP/s/GPU", "GFLOP/s/GPU", "compute s", "order", "exposed comm s", "ckpt"]
 
 
+def pipeline_label(pp, vpp, schedule) -> str:
+    """A pipeline in one cell: '-' without one, '4' for 1f1b over 4 stages, '4 v2' interleaved with 2 per rank."""
+    if pp == 1:
+        return "-"
+    return f"{pp}" if schedule == "1f1b" else f"{pp} v{vpp}"
+
+
 def _table(cols, title: str) -> Table:
-    """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table."""
+    """The rank columns (a Ranking's numpy columns or a DataFrame of COLUMNS) as a table; the pipeline's
+    columns (pp, with vpp where interleaved, and its bubble) where a row has one."""
     t = Table(title=title)
+    piped = bool(np.any(np.asarray(cols["pp"]) > 1))
     mem_scale, mem_head, fl_scale, fl_head = _units(cols)
-    heads = ["rank", "gx x gy x gz x gdata", "order", "mbs", "ckpt", "batch s", "compute s", "exposed comm s",
-             mem_head, fl_head, "% peak"]
+    heads = ["rank", "gx x gy x gz x gdata", "order"] + (["pp"] if piped else []) + [
+        "mbs", "ckpt", "batch s", "compute s", "exposed comm s"] + (["bubble s"] if piped else []) + [
+        mem_head, fl_head, "% peak"]
     reasons = not np.all(cols["feasible"])
     if reasons:
         heads.append("reason")
     for col in heads:
         t.add_column(col, justify="right" if col not in ("order", "reason") else "left")
     names = ("rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
-             "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason")
+             "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason", "pp", "vpp",
+             "schedule", "bubble_s")
     tie = np.asarray(cols["tied"], dtype=bool) if "tied" in cols else np.zeros(len(cols["rank"]), dtype=bool)
     # times to 3 significant digits: the published evidence puts their error at several percent
-    for (rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why), tied in zip(
-            zip(*(cols[n] for n in names)), tie):
-        row = [(str(rk) + ("~" if tied and rk != 1 else "")) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order,
-               str(mbs), "on" if ckpt else "off", f"{bt:.3g}", f"{comp:.3g}", f"{exp:.3g}", f"{mem * mem_scale:.1f}",
-               f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
+    for (rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why, pp, vpp, sch,
+         bub), tied in zip(zip(*(cols[n] for n in names)), tie):
+        row = [(str(rk) + ("~" if tied and rk != 1 else "")) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order] + (
+            [pipeline_label(pp, vpp, sch)] if piped else []) + [
+            str(mbs), "on" if ckpt else "off", f"{bt:.3g}", f"{comp:.3g}", f"{exp:.3g}"] + (
+            [f"{bub:.3g}"] if piped else []) + [f"{mem * mem_scale:.1f}", f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
         if reasons:
             row.append(why)
         t.add_row(*row)
     return t
+
+
+def pipeline_options(f, default_pp="all"):
+    """--pp, --vpp and --schedule: the pipeline axis (planner/pipeline.py)."""
+    for opt in reversed((
+            click.option("--pp", default=default_pp, show_default=True,
+                         help="Pipeline stages: N, or all (every degree the execution runs)." if default_pp == "all"
+                         else "Pipeline stages (the grid is each stage's: gx*gy*gz*gdata*pp = --gpus)."),
+            click.option("--vpp", type=inputs.Count(1), default=None,
+                         help="Virtual stages per pipeline rank (interleaved-1f1b)."),
+            click.option("--schedule", "pipeline_schedule", type=click.Choice(["all", *SCHEDULES]),
+                         default="all" if default_pp == "all" else None,
+                         help="Pipeline schedule" + (" (default: all)." if default_pp == "all" else
+                                                     " (default: interleaved-1f1b with --vpp > 1, else 1f1b).")))):
+        f = opt(f)
+    return f
+
+
+def parse_pp(pp, allow_all: bool = True):
+    if allow_all and str(pp) == "all":
+        return "all"
+    return inputs.count(pp, "--pp", 1, inputs.MAX_GPUS)
 
 
 def _format(df, fmt: str) -> str:
@@ -187,15 +223,18 @@ def _format(df, fmt: str) -> str:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @click.option("--output", "-o", type=inputs.SafePath(dir_okay=False), default=None, help="Write to this file (atomically).")
 @execution_option
+@pipeline_options
 def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all, order, micro_batch, checkpointing,
-         fmt, output, execution):
-    """Rank every 4D configuration (gx, gy, gz, gdata, order, micro-batch, checkpointing)."""
+         fmt, output, execution, pp, vpp, pipeline_schedule):
+    """Rank every configuration: pipeline (pp, vpp, schedule) x grid (gx, gy, gz, gdata) x order x micro-batch x
+    checkpointing."""
     if top is not None and top <= 0:
         raise UserError(f"--top must be a positive integer, got {top}")
     t0 = time.perf_counter()
     r = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
                  include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,
-                 checkpointing=checkpointing, execution=execution)
+                 checkpointing=checkpointing, execution=execution, pp=parse_pp(pp), vpp=vpp,
+                 schedule=pipeline_schedule)
     dt = time.perf_counter() - t0
     if fmt != "table":
         _emit(_format(r.frame(), fmt), output)
@@ -254,12 +293,15 @@ def one_config(f):
 @click.command("explain")
 @one_config
 @execution_option
+@functools.partial(pipeline_options, default_pp="1")
 def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order, micro_batch, checkpointing, fmt,
-            output, execution):
-    """Where the time and memory of one configuration go: per layer, per collective, per memory kind."""
+            output, execution, pp, vpp, pipeline_schedule):
+    """Where the time and memory of one configuration go: per layer (per pipeline stage), per collective, per
+    memory kind."""
     ck = None if checkpointing == "best" else checkpointing == "on"
     ex = explain_api(model, machine, gpus, global_batch, parse_grid(grid), order=order, seq_len=seq_len,
-                     micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap, execution=execution)
+                     micro_batch=micro_batch, checkpointing=ck, overlap=not no_overlap, execution=execution,
+                     pp=parse_pp(pp, allow_all=False), vpp=vpp, schedule=pipeline_schedule)
     if fmt == "json":
         import json
 

@@ -74,8 +74,11 @@ def train(config_path, print_config, gpus, model):
         cfg = load_config(config_path)
         from axoplan.runtime.train import check_config  # imports torch: after the cheap checks
 
-        check_config(cfg, de.world_size)
+        check_config(cfg, de.world_size, de.local_world_size)
         check_environment(cfg)
+        from axoplan.runtime.dist_env import export_for_env_init
+
+        export_for_env_init(de)  # MASTER_ADDR/MASTER_PORT of torchrun or srun, before any process group
     except UserError:
         # every rank read the same config and failed the same way: one sentence from rank 0 only,
         # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)

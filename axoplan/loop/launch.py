@@ -82,6 +82,16 @@ def launch_env(profile) -> list[tuple[str, str, str]]:
     return env
 
 
+def env_summary(profile) -> str | None:
+    """One line naming what the launch scripts export from this profile (None if nothing): said before
+    anything runs, so a profile's environment never takes effect unseen."""
+    env = launch_env(profile)
+    if not env:
+        return None
+    return (f"the launch scripts export (unless already set) from machine '{profile.name}': "
+            + ", ".join(f"{k}={v}" for k, v, _ in env))
+
+
 def _env_lines(env) -> list[str]:
     lines = []
     for name, value, why in env:
@@ -92,6 +102,17 @@ def _env_lines(env) -> list[str]:
             lines.append("# shellcheck disable=SC2016  # a literal value")
         lines.append(f'[[ -n "${{{name}:-}}" ]] || export {name}={quote(value, f"launch.env.{name}")}')
     return lines
+
+
+def check_layout(gpus: int, profile) -> tuple[int, int]:
+    """(nodes, processes per node) the launch scripts start, refused in one sentence when they cannot
+    start exactly `gpus` ranks: more than one node's worth that is not a whole number of nodes."""
+    nodes, per = nodes_for(gpus, profile.gpus_per_node)
+    if nodes * per != gpus:
+        raise UserError(f"--gpus {gpus} is not a whole number of nodes of {profile.gpus_per_node} GPUs "
+                        f"(machine '{profile.name}'): the launch scripts start the same number of ranks on every "
+                        f"node; give at most {profile.gpus_per_node} or a multiple of {profile.gpus_per_node}")
+    return nodes, per
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> tuple[int, int]:

@@ -83,6 +83,7 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
     if len(ok) == 0:
         raise UserError(f"{where} has no run that finished ok: nothing to fit")
     seqs = _check_rows(ok, where)
+    _check_runnable(ok, seqs, where)
     groups = []
     key = pd.Series([f"{m}\0{int(g)}\0{int(b)}\0{s}" for m, g, b, s in
                      zip(ok["model"], ok["gpus"], ok["global_batch"], seqs)], index=ok.index)
@@ -113,7 +114,15 @@ def _check_rows(ok: pd.DataFrame, where: str) -> list:
             inputs.count(_num(r["global_batch"]), "global_batch", 1, inputs.MAX_GLOBAL_BATCH)
             grid = [inputs.count(_num(r[k]), k, 1, inputs.MAX_GPUS) for k in ("gx", "gy", "gz", "gdata")]
             inputs.count(_num(r["micro_batch"]), "micro_batch", 1, inputs.MAX_GLOBAL_BATCH)
-            inputs.number(_num(r["measured_time_s"]), "measured_time_s", lo=0, lo_open=True)
+            t = _num(r["measured_time_s"])
+            if isinstance(t, float) and not np.isfinite(t):  # read_results keeps only positive finite times
+                raw = r.get("measured_time_text", "")
+                raise UserError(f"measured_time_s must be a positive number of seconds, got "
+                                f"{inputs.show(raw) if raw else 'nothing'}")
+            inputs.number(t, "measured_time_s", lo=0, hi=MAX_BATCH_S, lo_open=True)
+            ck = str(r["checkpointing_text"] if "checkpointing_text" in r else r["checkpointing"]).strip().lower()
+            if ck not in ("true", "false", "1", "0"):
+                raise UserError(f"checkpointing must be true or false, got {inputs.show(ck)}")
             seq = r["seq_len"]
             seqs.append(None if pd.isna(seq) or str(seq).strip() == "" else
                         inputs.count(_num(seq), "seq_len", 1, inputs.MAX_SEQ_LEN))
@@ -125,6 +134,42 @@ def _check_rows(ok: pd.DataFrame, where: str) -> list:
         if r["order"] not in ORDERS:
             raise UserError(f"{label}: unknown placement order {r['order']!r}")
     return seqs
+
+
+# a batch measured at more than this is a unit mistake (or 1e308): about 115 days
+MAX_BATCH_S = 1e7
+
+
+def _check_runnable(ok: pd.DataFrame, seqs: list, where: str) -> None:
+    """Every ok row describes a run its own trainer could have made: the planner's divisibility rules
+    (a micro-batch that does not divide its batch was never measured as written)."""
+    from axoplan.planner.space import grid_problem
+    from axoplan.planner.specs import load_model
+
+    for (i, r), seq in zip(ok.iterrows(), seqs):
+        m = load_model(str(r["model"]))
+        why = grid_problem(m, int(r["gx"]), int(r["gy"]), int(r["gz"]), int(r["gdata"]), int(r["global_batch"]),
+                           int(r["micro_batch"]), seq or m.seq_len)
+        if why:
+            raise UserError(f"{where}, run {r.get('candidate', i)}: no run of this layout can exist ({why})")
+
+
+def check_same_machine(df: pd.DataFrame, profile: MachineProfile, where: str) -> None:
+    """The runs were measured on the machine the profile describes: corrections fitted to another
+    machine's runs describe neither. Compared by what the profile says the machine is (kind, device,
+    GPUs per node), so a refit profile of the same machine qualifies."""
+    names = sorted({str(x) for x in df.get("machine", pd.Series(dtype=str)).dropna() if str(x).strip()})
+    for name in names:
+        try:
+            theirs = load_profile(name)
+        except UserError:
+            continue  # a profile moved since the sweep: nothing to compare against
+        a = (theirs.kind, theirs.device, theirs.gpus_per_node)
+        b = (profile.kind, profile.device, profile.gpus_per_node)
+        if a != b:
+            raise UserError(f"{where} was measured on machine '{name}' ({theirs.device}, {theirs.gpus_per_node} per "
+                            f"node), not on the {profile.device} machine profile '{profile.name}' describes; fit the "
+                            f"profile of the machine the runs were made on")
 
 
 def _num(v):
@@ -367,8 +412,15 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
         if unknown:
             raise UserError(f"unknown correction '{unknown[0]}' (known: {', '.join(PARAMS)})")
     before_pred = predict(profile, runs)
+    if not np.all(np.isfinite(before_pred)):
+        raise UserError(f"machine profile '{profile.name}' predicts a non-finite time for a measured run; "
+                        f"check its numbers")
     progress.step(f"fitting {', '.join(params) or 'nothing'}")
-    f = fit(profile, runs, params)
+    try:
+        f = fit(profile, runs, params)
+    except (np.linalg.LinAlgError, ValueError, FloatingPointError) as e:
+        raise UserError(f"the fit of {', '.join(params)} to these runs does not converge with machine profile "
+                        f"'{profile.name}' ({' '.join(str(e).split())[:80]}); check the profile's numbers") from None
     after_pred = predict(profile, runs, f.corrections)
     loo_pred = None
     if loo and not params:
@@ -414,7 +466,9 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     if not profile.path:
         raise UserError("refit needs a profile read from a YAML file")
     src = Path(profile.path)
-    d = yaml.safe_load(src.read_text())
+    from axoplan.yamlio import load_yaml
+
+    d = load_yaml(src, f"machine profile '{src}'")  # read again as the user wrote it: the same checked reader
     name = out.stem
     today = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
     d["name"] = name
@@ -451,6 +505,7 @@ def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo
     check_writable(out, "--out")  # before the fit, which can take a while
     check_results_file(results)
     df = read_results(results)
+    check_same_machine(df, profile, f"results file '{results}'")
     runs = runs_from_results(df, f"results file '{results}'")
     r = refit_profile(profile, runs, params, loo)
     d = new_profile_dict(profile, r, out, str(results))

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from axoplan import inputs
 from axoplan.loop import validate_proc as P
 from axoplan.atomic import atomic_write_text
 from axoplan.errors import UserError
@@ -36,12 +38,14 @@ from axoplan.loop.launch import (
     CONFIG_NAME,
     TORCHRUN_NAME,
     _env_lines,
+    check_layout,
     config_from_row,
+    env_summary,
     is_cpu_profile,
     launch_env,
-    nodes_for,
     write_run_dir,
 )
+from axoplan.planner.machine import load_profile
 from axoplan.planner.rank import COLUMNS
 from axoplan.loop.validate_files import (
     FINAL_STATUSES,
@@ -192,7 +196,7 @@ def error_line(text: str, limit: int = 300) -> str:
             break
     if pick is None:
         pick = lines[-1] if lines else "no output"
-    pick = " ".join(pick.split())
+    pick = inputs.printable(" ".join(pick.split()))  # a run's output may hold terminal escapes
     return pick if len(pick) <= limit else pick[:limit - 3] + "..."
 
 
@@ -234,11 +238,9 @@ def _stop_pending_dropped() -> None:
 def _read_tail(path: Path, cap: int = 16 << 20) -> str:
     """The last cap bytes of a log (the summary is its last line): a log grown huge, or a device in
     its place, is never read whole."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > cap:
-            f.seek(size - cap)
-        return f.read(cap).decode(errors="replace")
+    from axoplan.yamlio import read_bytes
+
+    return read_bytes(path, f"the run log '{path}'", cap, tail=True).decode(errors="replace")
 
 
 def run_one(run_dir: Path, gpus: int, timeout_s: float,
@@ -252,8 +254,12 @@ def run_one(run_dir: Path, gpus: int, timeout_s: float,
     lock = P.active()
     t0 = time.monotonic()
     try:
+        # the run folder is the sweep's own: a FIFO, device or link in run.log's place (which would block
+        # the open or send the log elsewhere) is removed, and the log is a new regular file
+        if os.path.lexists(log_path) and not stat.S_ISREG(os.lstat(log_path).st_mode):
+            os.unlink(log_path)
         # unbuffered: nothing of ours is left to flush at close, where a full disk would raise
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         return _infra(f"cannot write {LOG_NAME}: {(e.strerror or str(e)).lower()}")
     try:
@@ -354,8 +360,26 @@ def _check_existing(sw: Sweep, out: Path, resume: bool, plan: pd.DataFrame) -> N
         if list(old["candidate"]) != list(plan["candidate"]):
             raise UserError(f"--resume: the planner now ranks other candidates than the sweep in '{out}' "
                             f"(the profile or model changed); start a new sweep with another --out")
+        changed = _changed_prediction(old, plan)
+        if changed:
+            # results measured against one prediction must not be scored against another
+            raise UserError(f"--resume: the model or machine profile changed since the sweep in '{out}' began "
+                            f"({changed}); start a new sweep with another --out")
     if has_results:
         read_results(res_path, per_run=True)  # a file that is not results.csv stops us here, named
+
+
+_PREDICTED = ("batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib")
+
+
+def _changed_prediction(old: pd.DataFrame, new: pd.DataFrame) -> str | None:
+    """The first prediction of plan.csv the planner no longer makes (csv keeps floats to 1e-12), or None."""
+    for (_, a), (_, b) in zip(old.iterrows(), new.iterrows()):
+        for c in _PREDICTED:
+            x, y = float(pd.to_numeric(a[c], errors="coerce")), float(b[c])
+            if not (abs(x - y) <= 1e-9 * max(abs(x), abs(y))):
+                return f"candidate {b['candidate']}: {c} {x:.6g} then, {y:.6g} now"
+    return None
 
 
 def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
@@ -433,6 +457,9 @@ def run_sweep(sw: Sweep, out: str | Path, resume: bool = False, echo: Callable[[
     sw.check()
     out = Path(out)
     plan = plan_candidates(sw)  # before the folder is touched: a bad model or machine writes nothing
+    note = env_summary(load_profile(sw.machine))
+    if note:
+        echo(note)
     with P.SweepLock(out) as lock:
         lock.end_orphans(echo)
         _check_existing(sw, out, resume, plan)
@@ -502,6 +529,7 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
     if sw.repeats > 1:
         raise UserError("--repeats is for sweeps run here: a Slurm array runs each candidate once")
     out = Path(out).resolve()
+    check_layout(sw.gpus, load_profile(sw.machine))  # each array task starts this many ranks on whole nodes
     plan = plan_candidates(sw)
     with P.SweepLock(out):
         _check_existing(sw, out, (out / SWEEP_FILE).exists(), plan)
@@ -514,7 +542,7 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
     from axoplan.planner.machine import load_profile
 
     profile = load_profile(sw.machine)
-    nodes, per = nodes_for(sw.gpus, profile.gpus_per_node)
+    nodes, per = check_layout(sw.gpus, profile)
     ids = list(plan["candidate"])
     where = "the sweep folder"
     about = [shell.comment(f"axoplan validate: {len(ids)} candidates of {_sweep_title(sw)}, one per array task."),
@@ -561,11 +589,9 @@ def _collect(sw: Sweep, plan: pd.DataFrame, out: Path, echo: Callable[[str], Non
         text = ""
         for p in [run_dir / LOG_NAME] + sorted((out / "runs").glob(f"slurm-*_{i}.out")):
             try:
-                text += p.read_text(errors="replace") + "\n"
+                text += _read_tail(p) + "\n"  # a FIFO or /dev/zero in its place is refused, not read
             except FileNotFoundError:
                 pass
-            except OSError as e:
-                raise UserError(f"cannot read the run log '{p}': {(e.strerror or str(e)).lower()}") from None
         if not text.strip():
             missing.append(row["candidate"])
             res = RunResult(None, INFRA, "no run log: not run yet, or its output was lost", 0.0)

@@ -30,14 +30,17 @@ _NUMERIC = ["gpus", "global_batch", "seq_len", "rank", "gx", "gy", "gz", "gdata"
             "measured_time_s", "steps", "warmup_steps", "wall_s"]
 
 
+MAX_SWEEP_FILE_BYTES = 256 * 2**20  # a results.csv of a million runs is about 300 MiB less than this
+
+
 def _text(path: Path, what: str) -> str:
     """A sweep file's text, or one sentence saying why it cannot be read as text."""
+    from axoplan.yamlio import read_bytes
+
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, f"{what} '{path}'", MAX_SWEEP_FILE_BYTES)
     except FileNotFoundError:
         raise UserError(f"{what} '{path}' does not exist") from None
-    except OSError as e:
-        raise UserError(f"cannot read {what} '{path}': {(e.strerror or str(e)).lower()}") from None
     if b"\0" in data:
         raise UserError(f"{what} '{path}' is a binary file, not the text axoplan validate writes")
     try:
@@ -92,6 +95,13 @@ def read_results(path: str | Path, per_run: bool = False) -> pd.DataFrame:
     head = rows[0]
     good = [r for r in rows[1:] if len(r) == len(head) and r[head.index("status")] in STATUSES]
     df = pd.DataFrame(good, columns=head)
+    # the cells as written, for messages: the numeric and boolean columns below lose what was there
+    df["measured_time_text"] = df["measured_time_s"].astype(str)
+    for c in ("checkpointing", "feasible"):
+        if c in df:
+            bad = ~df[c].astype(str).str.strip().str.lower().isin(("true", "false", "1", "0", ""))
+            if bad.any():
+                raise UserError(f"results file '{p}': column {c} holds {df[c][bad].iloc[0]!r}, not true or false")
     for c in _NUMERIC:
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", np.nan), errors="coerce")

@@ -216,19 +216,22 @@ class SweepLock:
         """End every process an earlier sweep on this folder left running (it was killed, so nobody
         waits for them): they would share the cores and the run folder with the runs we start."""
         groups, procs = [], []
+        # only a process carrying this folder's marker in its environment was started by a sweep here: the
+        # lock file is plain text anyone can write, so what it names is signalled only if the kernel agrees
+        ours = set(marked(self.folder.resolve(), self.marker))
         # start times count from boot: a record from another host or an earlier boot names no process here
         if self.left.get("host") == socket.gethostname() and self.left.get("boot") == _boot_id():
             for r in self.left.get("runs") or []:
                 pgid, st = r.get("pgid"), r.get("start")
-                if isinstance(pgid, int) and pgid > 1 and st is not None and proc_start(pgid) == st:
+                if isinstance(pgid, int) and pgid > 1 and st is not None and (pgid, st) in ours:
                     groups.append(pgid)
                     procs.append((pgid, st))
-                    procs += descendants(pgid)
+                    procs += [x for x in descendants(pgid) if x in ours and x not in procs]
         elif self.left.get("runs") and self.left.get("host") != socket.gethostname():
             # a shared file system: what another host started cannot be seen, let alone ended, from here
             echo(f"warning: the {self.what} that last held {self.path} (on {self.left.get('host')}) died while run "
                  f"{self.left['runs'][0].get('candidate')} was under way; if that host is up, it may still be running")
-        procs += [x for x in marked(self.folder.resolve(), self.marker) if x not in procs]
+        procs += [x for x in ours if x not in procs]
         if not procs:
             return 0
         runs = ", ".join(str(r.get("candidate")) for r in self.left.get("runs") or [] if r.get("candidate"))

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from axoplan.planner import comm, schedule, timing
+from axoplan.planner import comm, pipeline, schedule, stage_timing, timing
 from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
+from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.planner.memory import Memory, memory
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.space import CANDIDATE_FIELDS, Candidates, divisibility_masks
@@ -29,21 +30,48 @@ class Evaluation:
     flops_per_gpu: np.ndarray  # FLOP per step per GPU, the paper's accounting (recompute included)
     extrapolated: np.ndarray
     detail: dict = field(default_factory=dict)
+    bubble: np.ndarray | float = 0.0  # seconds the pipeline's slowest rank waits for its inputs
+    memory_rank: np.ndarray | int = 0  # the pipeline rank whose memory is the job's (0 without a pipeline)
+    micro_batches: np.ndarray | int = 1  # per step (per pipeline, or per GPU without one)
+    # the batch time walked (every candidate without a pipeline); False: a lower bound of it, for a pipelined
+    # candidate that cannot be among the best (evaluate's top)
+    exact: np.ndarray | bool = True
+
+
+# walked: every pipelined candidate whose lower bound is within this factor of the top-th best time
+TOP_SLACK = 1.25
 
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
-             blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN) -> Evaluation:
-    """Batch time, compute, communication, memory and feasibility of every candidate, as arrays."""
+             blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN,
+             top: int | None = None) -> Evaluation:
+    """Batch time, compute, communication, memory and feasibility of every candidate, as arrays.
+
+    top: only the best `top` feasible candidates need an exact time: a pipelined candidate is walked when its
+    lower bound (stage_timing.bound_time) is within TOP_SLACK of the top-th best time walked or computed, else
+    it keeps the bound and `exact` False (it cannot be among them). None: every candidate walked."""
+    pipe = c.pp > 1
+    if pipe.any() and not pipe.all():  # pipelined candidates are timed by walking their order: two evaluations
+        a, b = np.nonzero(~pipe)[0], np.nonzero(pipe)[0]
+        x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution)
+        known = x.batch_time[x.feasible]
+        return _merge(x, _evaluate_paired(model, profile, job, c.take(b), overlap, blas_tuning, explain, execution,
+                                          top, known), a, b)
+    return _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top)
+
+
+def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top, known=()):
     h = len(c) // 2
     paired = (not explain and h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any()
               and c.checkpointing[h:].all()
               and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
     with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
         if not paired:
-            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution)
+            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution, top,
+                             known)
         # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
         ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
-                       False, execution)
+                       False, execution, top, known)
 
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
@@ -51,11 +79,36 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
     mem = ev.memory.map(flat)
     return Evaluation(flat(ev.batch_time), flat(ev.compute), flat(ev.comm), flat(ev.exposed_comm), mem,
                       ev.memory_limit, flat(ev.feasible), flat(ev.reason_code), ev.reasons, flat(ev.flops_per_gpu),
-                      flat(ev.extrapolated), {})
+                      flat(ev.extrapolated), {}, flat(ev.bubble), flat(ev.memory_rank), flat(ev.micro_batches),
+                      flat(ev.exact))
+
+
+def _merge(x: Evaluation, y: Evaluation, a: np.ndarray, b: np.ndarray) -> Evaluation:
+    """One Evaluation of the candidates whose rows a and b the two evaluated (the same reasons)."""
+    n = len(a) + len(b)
+
+    def put(u, v):
+        out = np.empty(n, dtype=np.result_type(u, v))
+        out[a], out[b] = u, v
+        return out
+
+    kinds = {k: None if getattr(x.memory, k) is None else put(getattr(x.memory, k), getattr(y.memory, k))
+             for k in MEMORY_KINDS}
+    names = x.memory.moments + tuple(m for m in y.memory.moments if m not in x.memory.moments)
+    remap = np.array([names.index(m) for m in y.memory.moments], dtype=np.int64)
+    mem = Memory(put(x.memory.total, y.memory.total), put(x.memory.moment, remap[y.memory.moment]), names, **kinds)
+    fields = ("batch_time", "compute", "comm", "exposed_comm")
+    return Evaluation(*(put(getattr(x, f), getattr(y, f)) for f in fields), mem, x.memory_limit,
+                      put(x.feasible, y.feasible), put(x.reason_code, y.reason_code), x.reasons,
+                      put(x.flops_per_gpu, y.flops_per_gpu), put(x.extrapolated, y.extrapolated), {},
+                      put(x.bubble, y.bubble), put(x.memory_rank, y.memory_rank),
+                      put(x.micro_batches, y.micro_batches), put(np.broadcast_to(x.exact, np.shape(x.batch_time)),
+                                                                 np.broadcast_to(y.exact, np.shape(y.batch_time))))
 
 
 def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN) -> Evaluation:
+              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN, top: int | None = None,
+              known=()) -> Evaluation:
     """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
     S = job.seq_len
@@ -63,39 +116,75 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     gx, gy, gz, mb = c.gx, c.gy, c.gz, c.micro_batch
     T = (mb * S).astype(np.float64)
     sched = schedule.build(model, profile, job, c, ck, overlap, tuning, comm.place(profile, c), execution)
-    timed_step = timing.step_time(profile, sched, overlap, explain)
-    batch = timed_step.batch
-    compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
-    comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
-    exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
+    piped = c.pipelined  # evaluate() hands over all pipelined candidates or none
     shard, replicated = sched.params.total, sched.replicated_elems
 
     # ---- memory ------------------------------------------------------------------------------------
     # memory depends on (gx, gy, gz, micro-batch, checkpointing) only (gdata follows from the first three):
     # evaluated once per distinct row
     ck_rows = np.broadcast_to(ck, np.shape(gx)) if np.ndim(ck) <= 1 else np.zeros(np.shape(gx), dtype=bool)
-    first, inverse = distinct_rows(gx, gy, gz, mb, ck_rows)
+    m_rows = sched.grad_acc if piped else 0
+    first, inverse = distinct_rows(gx, gy, gz, mb, ck_rows, c.pp, c.vpp, c.schedule, m_rows)
 
     def pick(x):
         return x[first] if np.ndim(x) else x
 
-    mem = memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
-                 pick(shard.astype(np.float64)), pick(replicated), [pick(b) for b in sched.params.blocks],
-                 pick(sched.params.lm_head), pick(sched.params.embedding), e, prefetch=overlap,
-                 max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
-                 passes=(sched.forward, sched.backward),
-                 gdata=pick(c.gdata), execution=execution, seq_len=S,
-                 breakdown=explain)
+    def stage_memory(rank_kind: str) -> Memory:
+        """The peak of a pipeline's first or last rank (the middle ones hold no more than the first), or of
+        the whole model without a pipeline."""
+        kw, sh, rep = {}, shard, replicated
+        if piped:
+            kw, sh, rep = _stage_memory_args(model, sched, c, job, first, rank_kind, S)
+        return memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
+                      pick(sh.astype(np.float64)) if not piped else sh, pick(rep) if not piped else rep,
+                      [pick(b) for b in sched.params.blocks],
+                      pick(sched.params.lm_head), pick(sched.params.embedding), e, prefetch=overlap,
+                      max_inflight_rs=schedule.MAX_INFLIGHT_RS if overlap else 0,
+                      passes=kw.pop("passes", (sched.forward, sched.backward)),
+                      gdata=pick(c.gdata), execution=execution, seq_len=S,
+                      breakdown=explain, **kw)
+    memory_rank = 0
+    if piped:
+        head, tail = stage_memory("first"), stage_memory("last")
+        worse = tail.total > head.total
+        memory_rank = np.where(worse, pick(c.pp) - 1, 0)
+        names = tuple(f"first pipeline stage: {n}" for n in head.moments) + tuple(
+            f"last pipeline stage: {n}" for n in tail.moments)
+        kinds = {k: None if getattr(head, k) is None else np.where(worse, getattr(tail, k), getattr(head, k))
+                 for k in MEMORY_KINDS}
+        mem = Memory(np.where(worse, tail.total, head.total),
+                     np.where(worse, tail.moment + len(head.moments), head.moment), names, **kinds)
+        memory_rank = np.broadcast_to(memory_rank, mem.total.shape)[..., inverse]
+    else:
+        mem = stage_memory("only")
     mem = mem.map(lambda a: a[..., inverse])
     limit = profile.mem_capacity - profile.mem_headroom
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
-    rules = divisibility_masks(model, job.global_batch, S, c)
+    rules = divisibility_masks(model, job.global_batch, S, c) + [
+        (execution.pipeline_even_split & (model.n_layers % (c.pp * c.vpp) != 0),
+         f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")]
     reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
     code = np.full(np.broadcast(ck, gx).shape, -1, dtype=np.int64)
     for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):
         code = np.where(mask, i, code)
     feasible = code < 0
+
+    # ---- time: the schedule's windows, walked through the pipeline's order where there is one ---------
+    bubble, exact = 0.0, True
+    if piped:
+        best = None if top is None else stage_timing.BestOf(top, known, np.broadcast_to(feasible, np.shape(code)),
+                                                             TOP_SLACK)
+        pt = stage_timing.pipeline_step_time(profile, sched, model, c, execution, S, overlap, best)
+        timed_step = pt
+        batch, compute_total, comm_total, exposed, bubble = pt.batch, pt.compute, pt.comm, pt.exposed, pt.bubble
+        exact = pt.exact
+    else:
+        timed_step = timing.step_time(profile, sched, overlap, explain)
+        batch = timed_step.batch
+        compute_total = sched.grad_acc * sched.compute_per_micro_batch() + sched.optimizer
+        comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
+        exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
 
     once = model.flops_per_token(S, recompute=False)
     flops_token = np.where(ck, once + execution.recomputed_flops_per_token(model, S), once)
@@ -103,4 +192,43 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 
     detail = {"schedule": sched, "time": timed_step} if explain else {}
     return Evaluation(batch, compute_total, comm_total, exposed, mem, limit, feasible, code, reasons, flops_gpu,
-                      sched.extrapolated, detail)
+                      sched.extrapolated, detail, np.broadcast_to(bubble, np.shape(batch)),
+                      np.broadcast_to(memory_rank, np.shape(batch)), np.broadcast_to(sched.grad_acc, np.shape(batch)),
+                      np.broadcast_to(exact, np.shape(batch)))
+
+
+def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: np.ndarray, rank_kind: str,
+                       seq_len: int):
+    """memory()'s stage arguments for the distinct rows `first`: the rank's blocks, the blocks whose activations
+    are saved when its backward starts (its forwards in flight, pipeline.peak_in_flight), its embedding or LM
+    head, its passes and its states (shard and replicated elements)."""
+    pp, vpp, sc = c.pp[first], c.vpp[first], c.schedule[first]
+    m = np.broadcast_to(sched.grad_acc, np.shape(c.gx))[first]
+    L = model.n_layers
+    last = rank_kind == "last"
+    rank = pp - 1 if last else np.zeros_like(pp)
+    blocks = stage_timing.rank_blocks(L, pp, vpp, rank)
+    live = np.empty(len(first), dtype=np.float64)
+    # the peak's forwards in flight stop growing after the warm-up: one walk of the order per structure
+    m = np.where(sc == 0, np.minimum(m, pp + 1), np.minimum(np.maximum(-(-m // pp) * pp, pp), 2 * pp))
+    keys, inv = np.unique(np.stack([pp, vpp, sc, m], axis=1), axis=0, return_inverse=True)
+    for j, (p_, v_, s_, m_) in enumerate(keys.tolist()):
+        sel = inv.reshape(-1) == j
+        q, r = divmod(L, p_ * v_)
+        n_v = q + (np.arange(p_ * v_) < r)
+        if p_ * v_ > L or m_ < 1:
+            live[sel] = blocks[sel]
+            continue
+        flight = pipeline.peak_in_flight(pipeline.SCHEDULES[s_], p_, v_, m_)
+        live[sel] = float(np.asarray(flight[p_ - 1 if last else 0]) @ n_v)
+    ps = sched.params
+
+    def pick(x):
+        return np.asarray(x)[first] if np.ndim(x) else x
+
+    shard = pick(ps.block_shard) * blocks + (0 if last else pick(ps.emb_shard)) + (pick(ps.lm_shard) if last else 0)
+    hx = model.hidden / c.gx[first]
+    replicated = (2 * blocks + last) * hx + (0 if last or model.position != "learned" else seq_len * hx)
+    passes = (sched.forward.stage(not last, last), sched.backward.stage(not last, last))
+    return ({"n_blocks": blocks, "live_blocks": np.maximum(live, blocks * 0 + 1), "embedding": not last,
+             "head": last, "passes": passes}, shard.astype(np.float64), replicated)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from axoplan.planner import gpu_physics
 from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.space import Candidates, strides
@@ -34,6 +35,7 @@ class Groups:
     per_byte: dict  # (axis, kind) -> s/byte
     fixed: dict  # (axis, kind) -> s
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
+    nodes: dict = None  # axis -> (members per node, nodes spanned): the protocol model's placement
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -78,6 +80,90 @@ def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
         ring = np.where(n > 1, np.minimum(ring, tree), ring)
     t = (profile.physics.base_latency * c + ring) * profile.coll_lat_scale[kind]
     return np.where(p > 1, t, 0.0)
+
+
+def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, nodes, busbw) -> np.ndarray:
+    """Seconds of one collective across nodes on a profile with network.protocols (protocol_time with the
+    profile's per-collective scales and corrections)."""
+    corr = profile.corrections
+    t = protocol_time(profile.physics.protocols, kind, nbytes, p, per_node, nodes,
+                      np.asarray(busbw, dtype=np.float64) * profile.coll_bw_scale[kind],
+                      corr.latency_scale * profile.coll_lat_scale[kind])
+    return np.where(np.asarray(p) > 1, t + corr.collective_overhead_s, 0.0)
+
+
+def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nodes, busbw,
+                  lat_scale: float = 1.0) -> np.ndarray:
+    """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc) of one collective across nodes: each ring
+    protocol costs base + (steps - network steps) x intra + network steps x net (a Simple ring all-reduce
+    x ring_plateau) plus the buffer's ring volume over its bus bandwidth, min(bw_factor x the group's
+    plateau busbw, channels x per_channel; LL also under ll_max); an all-reduce may take the tree instead:
+    base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer over half the bus
+    bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
+    sizes. NCCL runs the fastest. busbw: the group's plateau, already shared among the groups that leave
+    its nodes at once. With one member per node a ring's network steps cost the tree's (NCCL: 'with
+    ppn=1 latencies are fully exposed'). Every latency x the network's latency_scale x lat_scale."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
+    bw = np.asarray(busbw, dtype=np.float64)
+    ar = kind == "all_reduce"
+    steps = ring_steps(kind, p)
+    net_steps = (2.0 if ar else 1.0) * (n - 1)
+    two = n <= 2
+    ll_cap = np.where(two, pr.ll_max[0], pr.ll_max[1])
+
+    def bus(pro, plateau):
+        b = np.minimum(pro.bw_factor * plateau, pr.channels * np.where(two, *pro.per_channel))
+        return np.minimum(b, ll_cap) if pro.name == "LL" else b
+
+    lat_scale = lat_scale * pr.latency_scale
+    tree_net = {pro.name: pro.net for pro in pr.tree}
+    one = np.asarray(per_node, dtype=np.float64) <= 1
+    best = np.inf
+    for pro in pr.ring:
+        net = np.where(one, tree_net.get(pro.name, pro.net), pro.net)
+        lat = pro.base + (steps - net_steps) * pro.intra + net_steps * net
+        if ar and pro.name == "Simple":
+            lat = lat * pr.ring_plateau
+        best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / bus(pro, bw))
+    if ar:
+        log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
+        lg = np.ceil(np.log2(n))
+        tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
+        for pro in pr.tree:
+            table = np.array(gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
+            corr = table[np.clip(log_size, 0, len(table) - 1)]
+            lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * pro.net)
+            best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
+    return best
+
+
+def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_node=1) -> np.ndarray:
+    """Seconds of one send/receive of `nbytes` between two GPUs (a pipeline's activations between stages),
+    vectorised. Inside a node: the 2-GPU group's bus bandwidth and one intra-node step (plus NCCL's base
+    latency where the profile takes NCCL's latency model). Across nodes: the node's inter-node bandwidth
+    shared by the `concurrent_per_node` pairs that leave it at once (as group_busbw shares it among groups;
+    a lone pair is credited the node's NICs, an upper bound: NCCL spreads a send over channels); with
+    network.protocols the fastest protocol's base + one network step + bytes over its bandwidth."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    cross = np.asarray(crosses_node, dtype=bool)
+    conc = np.clip(np.asarray(concurrent_per_node, dtype=np.float64), 1.0, profile.gpus_per_node)
+    corr = profile.corrections
+    lat_c = corr.latency_scale
+    base = profile.physics.base_latency if profile.physics.latency_model == "nccl" else 0.0
+    intra = (base + profile.intra_latency) * lat_c + nb / (profile.intra_busbw(2, 1) * corr.intra_bw_scale)
+    bw = profile.inter_busbw * corr.inter_bw_scale / conc
+    pr = profile.physics.protocols
+    if pr is None:
+        inter = (base + profile.inter_latency) * lat_c + nb / bw
+    else:
+        inter = np.inf
+        for pro in pr.ring:
+            b = np.minimum(np.minimum(pro.bw_factor * bw, pr.channels * pro.per_channel[0]),
+                           pr.ll_max[0] if pro.name == "LL" else np.inf)
+            inter = np.minimum(inter, (pro.base + pro.net) * lat_c * pr.latency_scale + nb / b)
+    return np.where(cross, inter, intra) + corr.collective_overhead_s
 
 
 def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True, stride=1):
@@ -141,6 +227,12 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
     busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
     lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
     inside = {a: profile.group_inside(size[a], stride[a]) for a in size}
+    # the pipeline axis, outermost: a stage's rank sends to the rank of the next stage with the same coordinates
+    pp = np.asarray(c.pp)
+    size["p"], stride["p"] = pp, c.gx * c.gy * c.gz * c.gdata
+    pair = np.minimum(pp, 2)  # a transfer between stages is a pair of GPUs
+    busbw["p"], lat["p"] = profile.group_busbw(pair, stride["p"]), profile.group_latency(pair, stride["p"])
+    inside["p"] = profile.group_inside(pair, stride["p"])
     for name, axes in (("zd", "zd"), ("all", "xyzd")):
         size[name] = np.prod([size[a] for a in axes], axis=0)
         stride[name] = np.min([np.where(size[a] > 1, stride[a], np.iinfo(np.int64).max) for a in axes], axis=0)
@@ -155,7 +247,8 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         for a, sz in size.items():
             pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
-    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes)
+    nodes = {a: group_nodes(profile, size[a], stride[a]) for a in size} if profile.physics.protocols else None
+    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes, nodes)
 
 
 def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
@@ -221,6 +314,11 @@ def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
+    if g.nodes is not None:
+        # across nodes NCCL's protocol model replaces the one alpha-beta line
+        m, n = g.nodes[axis]
+        if np.any(n > 1):
+            t = np.where(n > 1, protocol_seconds(profile, kind, nbytes, g.size[axis], m, n, g.busbw[axis]), t)
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
         pairs, inv = g.shapes[axis]
@@ -232,6 +330,16 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
+
+
+def stage_transfer_seconds(profile: MachineProfile, g: Groups, nbytes) -> np.ndarray:
+    """One point-to-point transfer between neighbouring pipeline stages (p2p_seconds): every rank of a stage
+    sends at once to its partner in the next, the pipeline's stride apart, so across nodes the pairs leaving a
+    node, min(stride, GPUs per node) of them, share its NICs; none without a pipeline."""
+    stride = np.asarray(g.stride["p"])
+    crosses = ~profile.group_inside(np.minimum(g.size["p"], 2), stride)
+    t = p2p_seconds(profile, nbytes, crosses, np.minimum(stride, profile.gpus_per_node))
+    return np.where(np.asarray(g.size["p"]) > 1, t, 0.0)
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,

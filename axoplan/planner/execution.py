@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from axoplan.errors import UserError
+from axoplan import inputs
 from axoplan.runconfig import Overlap
 from axoplan.yamlio import load_yaml
 
@@ -26,6 +27,7 @@ ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
+PIPELINE = ("none", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,17 @@ class Execution:
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)
     prefetch_into_recompute: bool = True
+    # the pipeline schedules the framework runs (pipeline.py): none; 1f1b; interleaved (1f1b and
+    # interleaved-1f1b). The bundled trainer runs no pipeline stages yet
+    pipeline: str = "none"
+    # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
+    # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
+    pipeline_even_split: bool = False
     source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
+
+    @property
+    def pipeline_schedules(self) -> tuple:
+        return {"none": (), "1f1b": ("1f1b",), "interleaved": ("1f1b", "interleaved-1f1b")}[self.pipeline]
 
     @property
     def bundled(self) -> bool:
@@ -164,7 +176,9 @@ def op_selective(model) -> SelectiveRecompute:
 
 _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
                     "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
-                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); it fuses by default (its "
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); its pipeline runs 1F1B or, with "
+                    "--num-layers-per-virtual-pipeline-stage, the interleaved 1F1B of Narayanan et al. 2021, the "
+                    "layers split evenly over the (virtual) stages; it fuses by default (its "
                     "arguments only offer opt-outs: --no-bias-gelu-fusion, --no-bias-dropout-fusion, "
                     "--no-persist-layer-norm; Transformer Engine's LayerNormLinear fuses the norm into the "
                     "GEMM), but its vocab-parallel cross-entropy upcasts the logits to fp32 op by op (--cross-entropy-loss-fusion "
@@ -174,6 +188,7 @@ PRESETS = {
     "megatron-core": Execution(
         "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
+        pipeline="interleaved", pipeline_even_split=True,
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
@@ -181,6 +196,7 @@ PRESETS = {
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
+        pipeline="interleaved", pipeline_even_split=True,
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
                "before FlashAttention (baddbmm, FusedScaleMaskSoftmax, attention dropout 0.1, bmm; their "
@@ -202,23 +218,25 @@ PRESETS = {
                "'fused_crossentropy' loss (flash_attn.losses.cross_entropy); GELU one kernel, no rotary (ALiBi)"),
     "torchtitan": Execution(
         "torchtitan", sequence_parallel=True, recompute="op-selective", gradient_reduce="fp32",
+        pipeline="interleaved",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
                "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather, "
                "gradients reduce-scattered in fp32: training.mixed_precision_reduce 'float32'); its "
                "default activation checkpointing, selective per op (activation_checkpoint.mode 'selective', "
-               "selective_ac_option 'op')"),
+               "selective_ac_option 'op'); pipeline stages on torch.distributed.pipelining (parallelism."
+               "pipeline_parallel_schedule 1F1B or Interleaved1F1B)"),
 }
 
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
-           "attention": ATTENTION}
+           "attention": ATTENTION, "pipeline": PIPELINE}
 
 
 def _check(e: Execution, where: str) -> Execution:
     for name, allowed in CHOICES.items():
         if getattr(e, name) not in allowed:
-            raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not '{getattr(e, name)}'")
+            raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not {inputs.show(getattr(e, name))}")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e
@@ -242,12 +260,12 @@ def load_execution(name_or_path: str | Execution | None) -> Execution:
     if not isinstance(data, dict):
         raise UserError(f"{s}: expected a mapping of execution fields at the top level")
     base = data.pop("base", "axoplan")
-    if base not in PRESETS:
-        raise UserError(f"{s}: base '{base}' is not a preset ({', '.join(PRESETS)})")
+    if not isinstance(base, str) or base not in PRESETS:
+        raise UserError(f"{s}: base {inputs.show(base)} is not a preset ({', '.join(PRESETS)})")
     known = {f.name: f.type for f in dataclasses.fields(Execution)}
     for k, v in data.items():
         if k not in known:
-            raise UserError(f"{s}: unknown field '{k}' (known: base, {', '.join(known)})")
+            raise UserError(f"{s}: unknown field {inputs.show(k)} (known: base, {', '.join(known)})")
         if (known[k] == "bool") != isinstance(v, bool) or (known[k] == "str" and not isinstance(v, str)):
             raise UserError(f"{s}: field '{k}' must be {'true or false' if known[k] == 'bool' else 'a string'}")
     return _check(dataclasses.replace(PRESETS[base], **{"name": p.stem, "source": f"{s} (base {base})", **data}), s)

@@ -12,6 +12,50 @@ import numpy as np
 US = 1e-6
 TFLOP = 1e12
 LATENCY_MODELS = ("per_step", "nccl")
+GB = 1e9
+# the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
+PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor",
+                 "latency_scale"}
+PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "source"}
+PROTOCOL_NAMES = ("LL", "LL128", "Simple")
+# NCCL's tree correction by log2(bytes / 64), 64 B to 256 MB, per protocol (NVIDIA/nccl src/graph/tuning.cc
+# @5067397 treeCorrectionFactor): its trees run slower than its own model at medium sizes; 1 beyond the table
+TREE_CORRECTION = {
+    "LL": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    "LL128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
+}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One NCCL protocol of one algorithm: seconds per call, per step inside a node and per network step;
+    its bus bandwidth is min(bw_factor x the group's plateau, channels x per_channel) (bytes/s), per_channel
+    on 2 nodes and on more."""
+
+    name: str
+    base: float
+    intra: float
+    net: float
+    bw_factor: float = 1.0
+    per_channel: tuple = (float("inf"), float("inf"))
+
+
+@dataclass(frozen=True)
+class Protocols:
+    """NCCL's protocol-aware model of a collective across nodes (NVIDIA/nccl src/graph/tuning.cc): every
+    (algorithm, protocol) pair's time is latency + bytes / bandwidth, and NCCL takes the fastest."""
+
+    ring: tuple  # Protocol per protocol NCCL runs for rings
+    tree: tuple = ()  # the all-reduce tree's; empty: no tree (RCCL's rings only, or a profile without it)
+    ring_plateau: float = 1.0  # a Simple ring all-reduce across nodes pays this x its latency ('plateau effect')
+    ll_max: tuple = (float("inf"), float("inf"))  # LL bus bandwidth cap (bytes/s) on 2 nodes, on more
+    channels: int = 1  # NCCL channels (rings) a group runs across nodes
+    # on 2 nodes a tree's bus bandwidth is this x the ring's plateau: each node's NICs carry the buffer once
+    # each way, where a ring's busbw convention assumes 2(p-1)/p of it over them
+    two_node_tree_factor: float = 1.0
+    # measured time over NCCL's modelled latency on this network (a published sweep, or calibration's fit)
+    latency_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +65,7 @@ class GpuPhysics:
     latency_model: str = "per_step"  # per_step: every ring step pays its group's latency; nccl: see comm.py
     base_latency: float = 0.0  # s per collective call (nccl model only)
     overlap_slowdown: float = 0.0  # compute runs 1 + this slower while a collective runs beside it
+    protocols: Protocols | None = None  # network.protocols: collectives across nodes by NCCL's protocol model
 
     def attention_rates(self, seq_len: float, head_dim: float) -> tuple[float, float] | None:
         """(forward, backward) FLOP/s of the attention kernel at this sequence length and head size:
@@ -54,7 +99,12 @@ def parse(d: dict, rd) -> GpuPhysics:
             seq, hd = rd.num(r, "seq", p), rd.num(r, "head_dim", p)
             if seq in by_hd.get(hd, {}):
                 rd.fail(p, f"repeats seq {seq:g} at head_dim {hd:g}")
-            by_hd.setdefault(hd, {})[seq] = (rd.num(r, "fwd_tflops", p) * TFLOP, rd.num(r, "bwd_tflops", p) * TFLOP)
+            fwd, bwd = rd.num(r, "fwd_tflops", p), rd.num(r, "bwd_tflops", p)
+            peak = rd.num(comp, "peak_tflops", "compute")
+            if max(fwd, bwd) > peak * (1 + 1e-9):  # as for the GEMM ceiling: a unit or copy mistake
+                rd.fail(p, f"({max(fwd, bwd):g} TFLOP/s) is above compute.peak_tflops ({peak:g}); no kernel runs "
+                           f"faster than the peak")
+            by_hd.setdefault(hd, {})[seq] = (fwd * TFLOP, bwd * TFLOP)
         rates = tuple((hd, tuple(np.log2(sorted(v)).tolist()), tuple(v[s][0] for s in sorted(v)),
                        tuple(v[s][1] for s in sorted(v))) for hd, v in sorted(by_hd.items()))
     model = net.get("latency_model", "per_step") if isinstance(net, dict) else "per_step"
@@ -66,4 +116,127 @@ def parse(d: dict, rd) -> GpuPhysics:
     slow = rd.num(net, "overlap_compute_slowdown", "network", default=0.0, allow_zero=True) if isinstance(net, dict) else 0.0
     if slow >= 1:
         rd.fail("network.overlap_compute_slowdown", f"must be below 1 (a share of the compute time), got {slow:g}")
-    return GpuPhysics(rates, model, base, slow)
+    return GpuPhysics(rates, model, base, slow, _protocols(net, rd) if isinstance(net, dict) else None)
+
+
+def _protocols(net: dict, rd) -> Protocols | None:
+    """network.protocols: {source, channels, ring_plateau, ll_max_busbw_gbs: [2 nodes, more], ring: [rows],
+    tree: [rows]}, each row {protocol, base_us, intra_us, net_us, bw_factor, per_channel_gbs}."""
+    d = net.get("protocols")
+    if d is None:
+        return None
+    where = "network.protocols"
+    if not isinstance(d, dict):
+        rd.fail(where, "must be a mapping {source, channels, ring: [...], tree: [...], ...}")
+    bad = sorted(str(k) for k in set(d) - PROTOCOL_KEYS)
+    if bad:
+        rd.fail(f"{where}.{bad[0]}", f"is not a protocol-model field (known: {', '.join(sorted(PROTOCOL_KEYS))})")
+
+    def rows(key):
+        rs = d.get(key) or []
+        if not isinstance(rs, list) or (key == "ring" and not rs):
+            rd.fail(f"{where}.{key}", "must be a non-empty list of {protocol, base_us, intra_us, net_us, bw_factor}")
+        out = []
+        for i, r in enumerate(rs):
+            p = f"{where}.{key}[{i}]"
+            if not isinstance(r, dict):
+                rd.fail(p, "must be a mapping {protocol, base_us, intra_us, net_us, bw_factor, per_channel_gbs}")
+            extra = sorted(str(k) for k in set(r) - PROTOCOL_ROW_KEYS)
+            if extra:
+                rd.fail(f"{p}.{extra[0]}", f"is not a protocol field (known: {', '.join(sorted(PROTOCOL_ROW_KEYS))})")
+            name = r.get("protocol")
+            if name not in PROTOCOL_NAMES or name in [x.name for x in out]:
+                rd.fail(f"{p}.protocol", f"must be one of {', '.join(PROTOCOL_NAMES)}, each once, got {name!r}")
+            f = rd.num(r, "bw_factor", p, default=1.0)
+            if f > 1:
+                rd.fail(f"{p}.bw_factor", f"must be at most 1 (a share of the plateau), got {f:g}")
+            pc = r.get("per_channel_gbs")
+            if isinstance(pc, list):
+                if len(pc) != 2:
+                    rd.fail(f"{p}.per_channel_gbs", "must be a number or [on 2 nodes, on more] in GB/s")
+                pc = tuple(rd.num({"v": v}, "v", f"{p}.per_channel_gbs") * GB for v in pc)
+            else:
+                pc = (rd.num(r, "per_channel_gbs", p, default=float("inf")) * GB,) * 2
+            out.append(Protocol(name, *(rd.num(r, k, p, allow_zero=True) * US for k in ("base_us", "intra_us", "net_us")),
+                                f, pc))
+        return tuple(out)
+
+    ll = d.get("ll_max_busbw_gbs")
+    if ll is None:
+        ll_max = (float("inf"), float("inf"))
+    else:
+        if not isinstance(ll, list) or len(ll) != 2:
+            rd.fail(f"{where}.ll_max_busbw_gbs", "must be [on 2 nodes, on more] in GB/s")
+        ll_max = tuple(rd.num({"v": v}, "v", f"{where}.ll_max_busbw_gbs") * GB for v in ll)
+    ch = rd.num(d, "channels", where, default=1.0)
+    if ch != int(ch):
+        rd.fail(f"{where}.channels", f"must be an integer, got {ch:g}")
+    plateau = rd.num(d, "ring_plateau", where, default=1.0)
+    two = rd.num(d, "two_node_tree_factor", where, default=1.0)
+    return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two,
+                     rd.num(d, "latency_scale", where, default=1.0))
+
+
+NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
+
+
+def nccl_protocols(capability: int, cpu_vendor: str) -> dict | None:
+    """network.protocols as NCCL's defaults give it for GPUs of compute capability `capability` (80 for
+    A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel'), every number with its source; None
+    for a generation whose constants are not written here (before Ampere, or not NVIDIA)."""
+    if capability < 80 or cpu_vendor not in ("amd", "intel"):
+        return None
+    hopper = capability >= 90
+    amd = cpu_vendor == "amd"
+    src = NCCL_TUNING_SOURCE
+    gen = "Hopper" if hopper else "Ampere"
+    # inter-node rings: each intra-node step costs at least the network post overhead (getNetOverhead:
+    # 2 us on AMD x86 hosts, 1 us on Intel; x3 for Simple)
+    over = 2.0 if amd else 1.0
+    ll_in, ll128_in, simple_in = max(0.6, over), max(1.9, over), max(3.4, 3 * over)
+    ll_max = [22.5, 19.0] if amd else [39.0, 20.4]  # llMaxBws for multi-node jobs by CPU vendor: 2 nodes, more
+    ring_ll128 = 36.7 if hopper else 20.0  # perChMaxRingLL128Bws
+    tree_ll128 = [36.7, 29.0] if hopper else [20.0, 20.0]  # perChMaxTreeLL128Bws: 2 nodes, more
+    tree_simple = [41.4, 36.0] if hopper else [23.6, 17.8]  # perChMaxTreeBws: 2 nodes, more
+    return {
+        "source": (f"{src}; {gen} GPUs (compute capability {capability}), {'AMD' if amd else 'Intel'} x86 host "
+                   f"CPUs: getNetOverhead {over:g} us, x3 for Simple, raises each intra-node step of an inter-node "
+                   f"ring; llMaxBws for multi-node jobs {ll_max[0]:g} GB/s on 2 nodes, {ll_max[1]:g} on more"),
+        "channels": {"value": 8, "source": "documented assumption: NCCL builds one ring per NIC on a rail-optimised "
+                                           "node of 8 GPUs and 8 compute NICs; bounds only the per-channel caps"},
+        "ring_plateau": {"value": 1.4, "source": f"{src} ncclTopoGetAlgoTime: a Simple ring all-reduce across nodes "
+                                                 "pays 1.4x its latency on compute capability >= 8.0"},
+        "two_node_tree_factor": {"value": 2.0, "source": (
+            "NCCL team (AddyLaddy, NVIDIA/nccl-tests issue #22): 'the reported BusBW figure can exceed the actual "
+            "available peak BW, when running on just 2 nodes' (the tree); NCCL doubles NVLSTree's inter-node "
+            f"bandwidth on 2 nodes ({src}): each node's NICs carry the buffer once each way")},
+        "ll_max_busbw_gbs": ll_max,
+        "ring": [
+            {"protocol": "LL", "base_us": 6.6, "intra_us": ll_in, "net_us": 2.7, "bw_factor": 0.5,
+             "source": f"{src}: baseLat[Ring][LL] 6.6, hwLat[NVLINK][Ring][LL] 0.6 (or the net overhead), "
+                       "hwLat[NET][Ring][LL] 2.7; busBw = min(llMaxBw, 0.5 x busBw)"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": ll128_in, "net_us": 4.0, "bw_factor": 0.92,
+             "per_channel_gbs": ring_ll128,
+             "source": f"{src}: baseLat[Ring][LL128] 14.0, hwLat[NVLINK][Ring][LL128] 1.9 (or the net overhead), "
+                       f"hwLat[NET][Ring][LL128] 4.0; busBw = min(0.92 x busBw, nChannels x "
+                       f"perChMaxRingLL128Bws[{gen}] {ring_ll128:g})"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": simple_in, "net_us": 14.0, "bw_factor": 1.0,
+             "source": f"{src}: baseLat[Ring][Simple] 8.4, hwLat[NVLINK][Ring][Simple] 3.4 (or 3x the net "
+                       "overhead), hwLat[NET][Ring][Simple] 14.0; bandwidth: the plateau inter_node.busbw_gbs"},
+        ],
+        "tree": [
+            {"protocol": "LL", "base_us": 6.8, "intra_us": 0.6, "net_us": 5.0, "bw_factor": 0.2421,
+             "source": f"{src}: baseLat[Tree][LL] 6.8, hwLat[NVLINK][Tree][LL] 0.6, hwLat[NET][Tree][LL] 5.0; "
+                       "busBw = 0.92 / 3.8 = 0.2421 x, under llMaxBw"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": 1.25, "net_us": 8.5, "bw_factor": 0.8625,
+             "per_channel_gbs": tree_ll128,
+             "source": f"{src}: baseLat[Tree][LL128] 14.0, hwLat[NVLINK][Tree][LL128] 1.25, hwLat[NET][Tree][LL128] "
+                       f"8.5; busBw = 0.92 x 120/128 = 0.8625 x, under nChannels x perChMaxTreeLL128Bws[{gen}] "
+                       f"{tree_ll128[0]:g} on 2 nodes, {tree_ll128[1]:g} on more"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": 4.0, "net_us": 14.0, "bw_factor": 0.92,
+             "per_channel_gbs": tree_simple,
+             "source": f"{src}: baseLat[Tree][Simple] 8.4, hwLat[NVLINK][Tree][Simple] 4.0, hwLat[NET][Tree][Simple] "
+                       f"14; busBw = min(0.92 x busBw, nChannels x perChMaxTreeBws[{gen}] {tree_simple[0]:g} on 2 "
+                       f"nodes, {tree_simple[1]:g} on more)"},
+        ],
+    }

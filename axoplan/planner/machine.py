@@ -28,8 +28,69 @@ US = 1e-6
 LAYOUTS = ("NN", "NT", "TN")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SCHEMA = "axoplan-profile/1"
-TOP_LEVEL_KEYS = {"schema", "name", "description", "device", "kind", "dtype", "gpus_per_node", "memory", "compute", "network",
-                  "corrections", "calibration", "launch", "source"}
+
+# ---- the keys a profile may hold, at every level (checked by _check_keys before anything is parsed) ----
+# A new field is declared in the section's table below (one place): a misspelled key anywhere, like
+# memory.headroom_gb or groups[0].strde, is refused in one sentence instead of silently taking a default.
+# NUM: a number, or {value: number, source: text}; TEXT, FLAG: a scalar; FREE: not checked here (provenance
+# written by calibrate; launch.env, whose names _check_launch checks); a list holds one spec for each item.
+NUM, TEXT, FLAG, FREE = "number", "text", "flag", "free"
+TABLE_KEYS = {"path": TEXT, "source": TEXT}  # {path: FILE.csv, source: ...} beside a section
+MEMORY_KEYS = {"source": TEXT, "capacity_gib": NUM, "headroom_gib": NUM, "bandwidth_gbs": NUM,
+               "elementwise_efficiency": NUM}
+GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "table": TABLE_KEYS}
+ATTENTION_KEYS = {"source": TEXT, "tflops": NUM, "causal_skip": FLAG, "backward_factor": NUM, "table": TABLE_KEYS,
+                  "throughput": [{"seq": NUM, "head_dim": NUM, "fwd_tflops": NUM, "bwd_tflops": NUM, "source": TEXT}]}
+COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "gemm": GEMM_KEYS,
+                "attention": ATTENTION_KEYS,
+                "elementwise_kernels": FREE}  # refused by _no_framework_fields, with the reason
+INTRA_NODE_KEYS = {"source": TEXT, "latency_us": NUM, "table": TABLE_KEYS,
+                   "groups": [{"size": NUM, "stride": NUM, "busbw_gbs": NUM, "source": TEXT}]}
+INTER_NODE_KEYS = {"source": TEXT, "busbw_gbs": NUM, "latency_us": NUM}
+COLLECTIVE_SCALE_KEYS = {"bandwidth_scale": NUM, "latency_scale": NUM, "source": TEXT}
+COLLECTIVES_KEYS = {"source": TEXT, "all_gather": COLLECTIVE_SCALE_KEYS, "reduce_scatter": COLLECTIVE_SCALE_KEYS,
+                    "all_reduce": COLLECTIVE_SCALE_KEYS}
+# NCCL's protocol model across nodes: its keys are gpu_physics's (PROTOCOL_KEYS, a row's PROTOCOL_ROW_KEYS),
+# the values checked where gpu_physics parses them
+_ROW = [{k: FREE for k in gpu_physics.PROTOCOL_ROW_KEYS}]
+PROTOCOLS_KEYS = {**{k: FREE for k in gpu_physics.PROTOCOL_KEYS}, "ring": _ROW, "tree": _ROW}
+NETWORK_KEYS = {"source": TEXT, "latency_model": TEXT, "base_latency_us": NUM, "overlap_compute_slowdown": NUM,
+                "overlap_efficiency": NUM, "intra_node": INTRA_NODE_KEYS, "inter_node": INTER_NODE_KEYS,
+                "collectives": COLLECTIVES_KEYS, "protocols": PROTOCOLS_KEYS}
+CORRECTIONS_KEYS = {"source": TEXT, **{name: NUM for name in (
+    "gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale", "step_overhead_s",
+    "kernel_overhead_scale", "collective_overhead_s", "overlap_efficiency")}}  # = Corrections' fields (checked below)
+LAUNCH_KEYS = {"env": FREE, "source": TEXT}
+# the device it was measured on: a name, or {name, count, source} as calibrate writes (checked in _device)
+DEVICE_KEYS = {"name": FREE, "count": FREE, "source": FREE}
+PROFILE_KEYS = {"schema": TEXT, "name": TEXT, "description": TEXT, "device": DEVICE_KEYS, "kind": TEXT, "dtype": TEXT,
+                "source": TEXT, "gpus_per_node": NUM, "memory": MEMORY_KEYS, "compute": COMPUTE_KEYS,
+                "network": NETWORK_KEYS, "corrections": CORRECTIONS_KEYS, "calibration": FREE, "launch": LAUNCH_KEYS}
+TOP_LEVEL_KEYS = set(PROFILE_KEYS)
+
+
+def _check_keys(node: Any, spec: Any, path: str, rd) -> None:
+    """Refuse any key the schema (PROFILE_KEYS) does not declare at its level, naming the nearest known."""
+    if spec == FREE or not isinstance(node, (dict, list)):
+        return  # a scalar's type and range are checked where it is parsed
+    if isinstance(spec, list):
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                _check_keys(item, spec[0], f"{path}[{i}]", rd)
+        return
+    if spec in (NUM, TEXT, FLAG):
+        spec = {"value": FREE, "source": TEXT}  # {value: ..., source: ...}
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        p = f"{path}.{k}" if path else str(k)
+        if k not in spec:
+            import difflib
+
+            near = difflib.get_close_matches(str(k), [str(x) for x in spec], n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f" (known here: {', '.join(sorted(spec))})"
+            rd.fail(p, f"is not a profile field{hint}")
+        _check_keys(v, spec[k], p, rd)
 
 
 @dataclass(frozen=True)
@@ -427,9 +488,32 @@ def _note_local(name: str, path: Path) -> None:
     print(f"note: machine '{name}' is the local file {path}{shadow}", file=sys.stderr)
 
 
+# What a profile's launch.env may set: the communication libraries' and threading settings a network
+# needs, nothing that chooses which code runs (PATH, LD_PRELOAD, PYTHONPATH, BASH_ENV, ...). Within these
+# families a name that loads code or searches for it (NCCL_NET_PLUGIN, FI_PROVIDER_PATH) is refused too.
+LAUNCH_ENV_PREFIXES = ("NCCL_", "RCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", "MPICH_", "CXI_", "HSA_",
+                       "MIOPEN_", "TORCH_DISTRIBUTED_")
+LAUNCH_ENV_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
+                    "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+_LAUNCH_ENV_CODE = ("PLUGIN", "PATH", "LIB", "PRELOAD")
+
+
+def launch_env_refusal(name: str) -> str | None:
+    """Why a profile may not set the environment variable `name`, or None if it may."""
+    if name in LAUNCH_ENV_NAMES:
+        return None
+    if not name.startswith(LAUNCH_ENV_PREFIXES):
+        return (f"is not a communication or threading setting a profile may set (allowed: names starting "
+                f"{', '.join(LAUNCH_ENV_PREFIXES)} or one of {', '.join(LAUNCH_ENV_NAMES)})")
+    if any(w in name for w in _LAUNCH_ENV_CODE):
+        return "names a plugin, library or search path, which would choose the code a run loads"
+    return None
+
+
 def _check_launch(section, rd: _Reader, where: str) -> None:
     """`launch: {env: {NAME: value}, source: ...}` reaches the emitted scripts: names must be shell
-    names and every text printable (a newline in `source` would end a script comment)."""
+    names a profile may set (launch_env_refusal) and every text printable (a newline in `source`
+    would end a script comment)."""
     if section is None:
         return
     if not isinstance(section, dict):
@@ -446,9 +530,16 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
 
     for k, v in env.items():
         env_name(k)
+        why = launch_env_refusal(k)
+        if why:
+            rd.fail(f"launch.env.{k}", why)
         if isinstance(v, (dict, list)):
             rd.fail(f"launch.env.{k}", "must be a single value")
         inputs.text("" if v is None else str(v), f"{where}: field 'launch.env.{k}'", allow_empty=True)
+
+
+# the range of every nonzero number in a profile, in its own units (GB/s, TFLOP/s, GiB, us, ratios)
+MIN_NUMBER, MAX_NUMBER = 1e-9, 1e9
 
 
 class _Reader:
@@ -491,6 +582,12 @@ class _Reader:
             self.fail(full, f"must be a finite number, got {inputs.show(v)}")
         if not np.isfinite(v) or v < 0 or (positive and not allow_zero and v == 0):
             self.fail(full, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
+        if v > MAX_NUMBER or (positive and not allow_zero and v < MIN_NUMBER):
+            # 1e-300 GB/s (a divisor) or a dim_half of 1e308 makes every time inf or nan downstream, and
+            # 1e300 TFLOP/s overflows on conversion: no machine quantity in the profile's units lies out here
+            # (a quantity that may be zero, an overhead or latency, is only added: tiny is harmless)
+            self.fail(full, f"must be {'between ' + format(MIN_NUMBER, 'g') + ' and' if not allow_zero else 'at most'} "
+                            f"{MAX_NUMBER:g} in its units, got {v:g}")
         return v
 
 
@@ -711,6 +808,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     unknown = sorted(str(k) for k in set(d) - TOP_LEVEL_KEYS)
     if unknown:
         rd.fail(unknown[0], f"is not a profile field (known: {', '.join(sorted(TOP_LEVEL_KEYS))})")
+    _no_framework_fields(d.get("compute"), rd)
+    _check_keys(d, PROFILE_KEYS, "", rd)
     _check_all_numbers_sourced(d, "", rd)
 
     gpn = rd.num(d, "gpus_per_node")

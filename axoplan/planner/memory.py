@@ -111,7 +111,8 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
-                 passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None) -> dict:
+                 passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None,
+                 n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
@@ -121,12 +122,16 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     which splits the block input, the norms' inputs and the residual stream's tensors over Y by tokens; its
     fused kernels, whose loss keeps no fp32 copy of the logits and whose norm backward writes the input
     gradient with no fp32 temporaries; its attention core (unfused: probabilities over seq_len keys, the model's
-    context unless given) and its attention-core recompute."""
+    context unless given) and its attention-core recompute. A pipeline stage (pipeline.py) holds n_blocks blocks
+    (default all), the embedding and the LM head only where it says so, and when its backward starts the
+    activations of live_blocks blocks are saved (its micro-batches in flight; default n_blocks); its passes
+    are the stage's (Pass.stage)."""
     e = dtype_bytes
     fused = execution.elementwise_kernels == "fused"
     fused_loss = execution.loss_kernel == "fused"
     T = np.asarray(tokens, dtype=np.float64)
-    L = model.n_layers
+    L = model.n_layers if n_blocks is None else np.asarray(n_blocks, dtype=np.float64)
+    live = L if live_blocks is None else np.asarray(live_blocks, dtype=np.float64)
     hx = model.hidden / gx
     hd = model.head_dim
     qh = model.n_heads / gy * hd
@@ -177,18 +182,20 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         sel = op_selective(model)
         selected = T * ((sel.kept_split / gy + qh) * e + heads * FP32) + Ts * sel.kept_full * e
     # all blocks but the last, as the backward finds them when it reaches the last block
-    earlier = np.where(ck, (L - 1) * (x_in + selected), (L - 1) * (x_in + block_saved))
-    final = Ts * (2 * hx * e + FP32 * 2)  # the final norm's input and output (the LM head's input)
+    earlier = np.where(ck, (live - 1) * (x_in + selected), (live - 1) * (x_in + block_saved))
+    final = Ts * (2 * hx * e + FP32 * 2) * head  # the final norm's input and output (the LM head's input)
 
     def inflight(layers):
         """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
         return sum(layer.inflight for layer in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
 
     moments = {}
+    only = [1.0]  # 0 where a stage has no such moment (the block before the last on a one-block stage)
 
     def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0):
-        moments[name] = {"states": states, "gathered": gathered, "gradients": gradients,
-                         "activations": activations, "logits": logits, "transients": transients}
+        kinds = {"states": states, "gathered": gathered, "gradients": gradients,
+                 "activations": activations, "logits": logits, "transients": transients}
+        moments[name] = kinds if isinstance(only[0], float) else {k: v * only[0] for k, v in kinds.items()}
 
     # every block's input (or all it saved) and the final norm's
     stack = earlier + x_in + np.where(ck, 0.0, block_saved) + final
@@ -251,8 +258,11 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # without resharding after the forward every gathered weight stays until its own backward is done
     per_block = sum(layers[n].gathered for n in ("qkv", "attn_out", "fc1", "fc2"))
 
+    has_head = head
+
     def cache(blocks, head=False):
-        return None if execution.reshard_after_forward else blocks * per_block + emb.gathered + head * lm.gathered
+        return (None if execution.reshard_after_forward else
+                blocks * per_block + embedding * emb.gathered + head * has_head * lm.gathered)
 
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
          {"head input": Ts * hx * e}, False, cache(L, True))
@@ -261,11 +271,13 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the recompute's block output, held until its backward ends (none when only the core is recomputed)
     recomputed_out = np.where(ck, x_in, 0.0) * (not attention_core)
     one_block = np.where(ck, x_in + selected, x_in + block_saved)
-    for blk, label in ((0, "last block"), (1, "block before it"))[:min(L, 2)]:
+    for blk, label in ((0, "last block"), (1, "block before it"))[:min(int(np.max(L)), 2)]:
+        only[0] = 1.0 if blk == 0 or np.min(L) >= 2 else (np.asarray(L) >= 2).astype(np.float64)
         walk(backward.block, f"backward {label} ",
              lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,
              layers[backward.block[0].name].gathered, dict(saved), True, cache(L - blk))
 
+    only[0] = 1.0
     # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
     walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False, cache(0))
     moment("optimizer step", 0.0, 0.0, 0.0)

@@ -14,15 +14,21 @@ from axoplan.planner.memory import KIND_NAMES
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.errors import UserError
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
-from axoplan.planner.space import ORDERS, Candidates, enumerate_space
+from axoplan.planner.pipeline import SCHEDULES, stage_blocks
+from axoplan.planner.schedule import Window
+from axoplan.planner.space import ORDERS, Candidates, enumerate_space, pipeline_choices, pipeline_masks
 from axoplan.planner.specs import Job, ModelSpec, load_model
 from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it
     import pandas as pd
 
+# with neither --top nor a limit: the pipelined candidates walked are those that can be among this many best
+WALKED_BY_DEFAULT = 100
+
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
            # added after the fixed ones: within the expected error of the best (the evidence cannot order
            # them), and that error (planner/uncertainty.py)
            "tied", "expected_error"]
@@ -31,13 +37,15 @@ COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpoin
 def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
     out = []
     mem = ev.memory.total
+    m = np.broadcast_to(ev.micro_batches, np.shape(ev.batch_time))
     for i in idx:
         code = ev.reason_code[i]
         if code < 0:
             out.append("")
             continue
         out.append(ev.reasons[code].format(gx=c.gx[i], gy=c.gy[i], gz=c.gz[i], gdata=c.gdata[i],
-                                           micro_batch=c.micro_batch[i], mem=mem[i] / GIB, limit=ev.memory_limit / GIB))
+                                           micro_batch=c.micro_batch[i], mem=mem[i] / GIB, limit=ev.memory_limit / GIB,
+                                           pp=c.pp[i], vpp=c.vpp[i], m=m[i]))
     return out
 
 
@@ -45,19 +53,44 @@ def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachinePro
              unc: Uncertainty | None = None) -> dict:
     """The rows `idx` as numpy columns, COLUMNS in order; `rank` counts rows from 1 and means
     nothing where `feasible` is false (the DataFrame holds NA there)."""
-    tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
     err = unc.expected_error if unc is not None else None
-    return {
-        "rank": np.arange(1, len(idx) + 1),
-        "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
-        "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
-        "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
-        "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
-        "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
-        "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
-        "tied": tied(ev.batch_time[idx], ev.feasible[idx], err),
-        "expected_error": np.full(len(idx), np.nan if err is None else err),
-    }
+    with np.errstate(all="ignore"):  # a non-finite result is refused below, by name
+        tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
+        cols = {
+            "rank": np.arange(1, len(idx) + 1),
+            "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
+            "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
+            "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
+            "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
+            "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
+            "feasible": ev.feasible[idx], "reason": _reasons(ev, c, idx),
+            "pp": c.pp[idx], "vpp": c.vpp[idx], "schedule": np.array(SCHEDULES)[c.schedule[idx]],
+            "bubble_s": np.broadcast_to(ev.bubble, np.shape(ev.batch_time))[idx],
+            "batch_time_exact": np.broadcast_to(ev.exact, np.shape(ev.batch_time))[idx],
+            "tied": tied(ev.batch_time[idx], ev.feasible[idx], err),
+            "expected_error": np.full(len(idx), np.nan if err is None else err),
+        }
+    _check_finite(cols, profile)
+    return cols
+
+
+_PREDICTIONS = ("batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak",
+                "bubble_s")
+
+
+def _check_finite(cols: dict, profile: MachineProfile) -> None:
+    """Every number shown for a feasible configuration is finite (the evaluation's output boundary): an
+    inf or nan comes from a profile number at an extreme, and is refused rather than ranked."""
+    ok = cols["feasible"]
+    for name in _PREDICTIONS:
+        v = np.asarray(cols[name], dtype=np.float64)[ok]
+        bad = ~np.isfinite(v) | ((v <= 0) if name in ("batch_time_s", "tflops_per_gpu") else False)
+        if bad.any():
+            i = int(np.nonzero(ok)[0][np.argmax(bad)])
+            raise UserError(f"machine profile '{profile.name}' gives {name} = {v[np.argmax(bad)]!r} for grid "
+                            f"{cols['gx'][i]}x{cols['gy'][i]}x{cols['gz'][i]}x{cols['gdata'][i]}: a number in it is at "
+                            f"an extreme its model cannot compute with (a bandwidth, throughput or efficiency near "
+                            f"zero, or a huge dim_half); check the profile")
 
 
 def _frame(columns: dict) -> pd.DataFrame:
@@ -125,32 +158,37 @@ def _setup(model, machine, gpus, global_batch, seq_len, micro_batch=None):
 def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
          seq_len: int | None = None, top: int | None = None, include_infeasible: bool = False, order: str = "all",
          micro_batch: int | None = None, overlap: bool = True, checkpointing: str = "both",
-         blas_tuning: bool | None = None, max_micro_batch: int = 64, execution: str | Execution | None = None
-         ) -> pd.DataFrame:
+         blas_tuning: bool | None = None, max_micro_batch: int = 64, execution: str | Execution | None = None,
+         pp="all", vpp: int | None = None, schedule: str = "all") -> pd.DataFrame:
     """Every candidate configuration, fastest feasible first (columns: COLUMNS).
 
     top: keep only the best `top` feasible rows. include_infeasible: append every infeasible
     candidate with its reason. execution: how the framework runs the step (execution.py; the bundled
-    trainer by default). Raises UserError when nothing is feasible and infeasible rows were not asked for.
+    trainer by default). pp: pipeline stages, "all" (every degree the execution can run) or one; vpp and
+    schedule restrict the pipelines (pipeline.py). Raises UserError when nothing is feasible and infeasible
+    rows were not asked for.
     """
     return ranking(model, machine, gpus, global_batch, seq_len=seq_len, top=top,
                    include_infeasible=include_infeasible, order=order, micro_batch=micro_batch, overlap=overlap,
                    checkpointing=checkpointing, blas_tuning=blas_tuning, max_micro_batch=max_micro_batch,
-                   execution=execution).frame()
+                   execution=execution, pp=pp, vpp=vpp, schedule=schedule).frame()
 
 
 def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
             seq_len: int | None = None, top: int | None = None, include_infeasible: bool = False, order: str = "all",
             micro_batch: int | None = None, overlap: bool = True, checkpointing: str = "both",
             blas_tuning: bool | None = None, max_micro_batch: int = 64,
-            execution: str | Execution | None = None) -> Ranking:
+            execution: str | Execution | None = None, pp="all", vpp: int | None = None,
+            schedule: str = "all") -> Ranking:
     """rank() before the DataFrame: the same rows as numpy columns (see rank for the arguments)."""
     if top is not None and top <= 0:
         raise UserError(f"top must be a positive integer, got {top}")
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ex = load_execution(execution)
-    c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch)
-    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
+    c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch,
+                        pipelines=_pipelines(ex, job, m, pp, vpp, schedule))
+    # a pipelined candidate's walk only where it can be among the best listed (the others keep its lower bound)
+    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex, top=top or WALKED_BY_DEFAULT)
     feas = np.nonzero(ev.feasible)[0]
     if len(feas) == 0 and not include_infeasible:
         raise _nothing_feasible(ev, c, m, p, job)
@@ -169,6 +207,41 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                    extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex, uncertainty=unc)
 
 
+def _pipelines(ex: Execution, job: Job, model: ModelSpec, pp, vpp, schedule) -> list:
+    """The (pp, vpp, schedule) the execution can run: "all" gives only pp 1 where it runs no pipeline."""
+    if pp == "all" and not ex.pipeline_schedules:
+        return [(1, 1, 0)]
+    choices = pipeline_choices(job.gpus, model.n_layers, pp, vpp, schedule)
+    runs = [ch for ch in choices if ch[0] == 1 or SCHEDULES[ch[2]] in ex.pipeline_schedules]
+    if not runs:
+        raise UserError(f"execution '{ex.name}' runs no pipeline"
+                        + (f" with the {schedule} schedule" if ex.pipeline_schedules else "")
+                        + (f"; its schedules: {', '.join(ex.pipeline_schedules)}" if ex.pipeline_schedules else
+                           "; choose --pp 1 or an execution that pipelines (megatron-core, megatron-lm, torchtitan)"))
+    return runs
+
+
+def _stage_rows(st, sched, one: Candidates, n_layers: int, ckpt: bool) -> list[dict]:
+    """explain's windows table for a pipeline: one row per virtual stage and pass, one micro-batch's seconds."""
+    npp, nv = int(one.pp[0]), int(one.vpp[0])
+    blocks = stage_blocks(n_layers, npp, nv)
+    ga = int(np.ravel(sched.grad_acc)[0])
+    rows = []
+    for v, n in enumerate(blocks):
+        kind = "first" if v == 0 else ("last" if v == len(blocks) - 1 else "middle")
+        for name in ("forward", "backward_recompute" if ckpt else "backward"):
+            parts = st.stage_seconds[kind, name]
+            t = float(np.ravel(parts["prefix"] + parts["block"] * (n - 1) + parts["last"] + parts["suffix"])[0])
+            comp = float(np.ravel(sched.forward.stage(v == 0, v == len(blocks) - 1).total(n, Window.compute_s)
+                                  if name == "forward" else
+                                  sched.passes(ckpt)[1].stage(v == 0, v == len(blocks) - 1).total(n, Window.compute_s)
+                                  )[0])
+            rows.append({"pass": name.split("_")[0], "layer": f"stage {v} (rank {v % npp}, {n} blocks)",
+                         "count_per_micro_batch": 1, "compute_s": comp * ga, "window_s": t * ga,
+                         "exposed_comm_s": max(t - comp, 0.0) * ga})
+    return rows
+
+
 @dataclass
 class Explanation:
     summary: pd.DataFrame  # one row, the rank columns
@@ -183,17 +256,29 @@ class Explanation:
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
             grid: tuple[int, int, int, int], order: str = "xyz", seq_len: int | None = None,
             micro_batch: int | None = None, checkpointing: bool | None = None, overlap: bool = True,
-            blas_tuning: bool | None = None, execution: str | Execution | None = None) -> Explanation:
+            blas_tuning: bool | None = None, execution: str | Execution | None = None, pp: int = 1,
+            vpp: int | None = None, schedule: str | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
-    fastest feasible choice for this grid and order."""
+    fastest feasible choice for this grid and order. pp > 1: the grid is each stage's (gx*gy*gz*gdata*pp =
+    gpus), schedule by default interleaved-1f1b where vpp > 1, else 1f1b; "all": the fastest feasible schedule
+    and vpp the execution runs."""
     import pandas as pd
 
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ex = load_execution(execution)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
-    c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid))
+    sched_name = schedule or ("interleaved-1f1b" if vpp is not None and vpp > 1 else "1f1b")
+    # schedule "all": the fastest feasible of the schedules (and virtual stages) the execution runs at this pp
+    pipes = _pipelines(ex, job, m, pp, vpp, sched_name) if pp != 1 or vpp not in (None, 1) else [(1, 1, 0)]
+    c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, ck, grid=tuple(grid), pipelines=pipes)
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
     cand = np.nonzero(ev.feasible)[0]
+    if pp > 1 and not len(cand):
+        # a pipeline's own rules (too few micro-batches) are the user's mistake, not a configuration to explain
+        pipeline_rules = {t for _, t in pipeline_masks(m, job.global_batch, c)}
+        broken = [i for i in range(len(c)) if ev.reasons[ev.reason_code[i]] in pipeline_rules]
+        if len(broken) == len(c):
+            raise UserError(f"--pp {pp}: " + _reasons(ev, c, np.array(broken[:1]))[0])
     pool = cand if len(cand) else np.arange(len(c))
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
@@ -205,6 +290,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     ga = int(np.ravel(sched.grad_acc)[0])
     ckpt = bool(one.checkpointing[0])
     g = sched.groups
+    pipelined = bool(one.pp[0] > 1)
+    stage = None
+    if pipelined:
+        stage = (int(stage_blocks(m.n_layers, int(one.pp[0]), int(one.vpp[0]))[0]), True, False)
 
     # every collective of the step, from the schedule the batch time was computed on
     rows = [{"layer": cl.layer, "phase": cl.phase, "collective": cl.kind, "axis": cl.axis,
@@ -212,18 +301,21 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
              "bytes": float(np.ravel(cl.nbytes)[0]), "busbw_gbs": float(np.ravel(g.busbw[cl.axis])[0]) / 1e9,
              "time_per_call_s": float(np.ravel(cl.seconds)[0]), "calls_per_step": calls,
              "total_s": float(np.ravel(cl.seconds)[0]) * calls}
-            for cl, calls in sched.collective_rows(0, ckpt)]
+            for cl, calls in sched.collective_rows(0, ckpt, stage)]
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
 
     wrows = []
-    for pass_name, rec in (("forward", st.records["forward"]),
-                           ("backward", st.records["backward_recompute" if ckpt else "backward"])):
-        for w, t, count in rec:
-            comp = float(np.ravel(w.compute)[0]) * count
-            total = float(np.ravel(t)[0]) * ga
-            wrows.append({"pass": pass_name, "layer": w.name, "count_per_micro_batch": count,
-                          "compute_s": comp * ga, "window_s": total, "exposed_comm_s": max(total - comp * ga, 0.0)})
+    if pipelined:
+        wrows = _stage_rows(st, sched, one, m.n_layers, ckpt)
+    else:
+        for pass_name, rec in (("forward", st.records["forward"]),
+                               ("backward", st.records["backward_recompute" if ckpt else "backward"])):
+            for w, t, count in rec:
+                comp = float(np.ravel(w.compute)[0]) * count
+                total = float(np.ravel(t)[0]) * ga
+                wrows.append({"pass": pass_name, "layer": w.name, "count_per_micro_batch": count, "compute_s": comp * ga,
+                              "window_s": total, "exposed_comm_s": max(total - comp * ga, 0.0)})
     windows = pd.DataFrame(wrows)
     mem = ev1.memory
     where = mem.where(0)
@@ -231,10 +323,22 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                            "gib": [float(getattr(mem, k)[0]) / GIB for k in MEMORY_KINDS]
                            + [float(mem.total[0]) / GIB, ev1.memory_limit / GIB]})
     memory.attrs["peak_at"] = where
+    if pipelined:
+        npp = int(one.pp[0])
+        mrank = int(np.ravel(ev1.memory_rank)[0])
+        step_notes = [f"pipeline: {npp} stages, {SCHEDULES[int(one.schedule[0])]}, vpp={int(one.vpp[0])}, "
+                      f"{ga} micro-batches per step; blocks per virtual stage "
+                      f"{', '.join(map(str, stage_blocks(m.n_layers, npp, int(one.vpp[0]))))}",
+                      f"the slowest pipeline rank is {int(np.ravel(st.critical_rank)[0])}: it waits "
+                      f"{float(np.ravel(st.bubble)[0]):.4g} s for its inputs (bubble)",
+                      f"memory: the job's is pipeline rank {mrank}'s ({'last' if mrank else 'first'} stage); "
+                      f"collectives listed: stage 0's windows"]
+    else:
+        step_notes = [(f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
+                       f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s")]
     notes = [f"memory peaks at: {where}",
              f"grad_acc={ga} micro-batches of {int(one.micro_batch[0])} sequences per GPU per step",
-             (f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
-              f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s"),
+             *step_notes,
              f"execution: {ex.name} ({ex.source})",
              "GEMM layouts: " + ("best of all layouts and forms (BLAS tuning)" if (p.blas_tuning if blas_tuning is None
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]

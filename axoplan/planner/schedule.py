@@ -112,6 +112,16 @@ class Pass:
         """(window, times per micro-batch) in the trainer's order, the block's windows once with their count."""
         return [(w, 1) for w in self.prefix] + [(w, n_blocks) for w in self.block] + [(w, 1) for w in self.suffix]
 
+    def stage(self, first: bool, last: bool) -> Pass:
+        """This pass on one pipeline stage: the embedding's window on the first only, the LM head's on the last."""
+        def keep(ws):
+            return [w for w in ws if (w.name != "embedding" or first) and (w.name != "lm_head" or last)]
+        return Pass(self.name, keep(self.prefix), self.block, keep(self.suffix))
+
+    def total(self, n_blocks, value):
+        """value(window) summed over one micro-batch of this pass with n_blocks blocks."""
+        return sum(value(w) * n for w, n in self.windows(1)) + sum(value(w) for w in self.block) * (n_blocks - 1)
+
 
 @dataclass
 class Schedule:
@@ -128,6 +138,10 @@ class Schedule:
     extrapolated: np.ndarray  # some GEMM shape fell outside a measured table
     replicated_elems: np.ndarray  # elements of the replicated parameters (norm weights, positions)
     params: comm.ParameterShards  # this rank's weight blocks and fp32 shard elements
+    # between pipeline stages, per micro-batch: the activation (forward) and its gradient (backward), [Ts, H/gx]
+    # as the grid shards the residual stream, and the seconds of one transfer (0 without a pipeline)
+    p2p_bytes: np.ndarray | float = 0.0
+    p2p: np.ndarray | float = 0.0
 
     def passes(self, checkpointing: bool) -> tuple[Pass, Pass]:
         return self.forward, (self.backward_recompute if checkpointing else self.backward)
@@ -157,17 +171,19 @@ class Schedule:
             return sum((np.asarray(self.groups.size[c.axis]) > 1).astype(np.float64) for c in w.collectives())
         return self._per_micro_batch(calls, checkpointing)
 
-    def collective_rows(self, i: int, checkpointing: bool) -> list[tuple[Collective, int]]:
+    def collective_rows(self, i: int, checkpointing: bool, stage: tuple | None = None) -> list[tuple[Collective, int]]:
         """(collective, calls per step) of candidate i, every call of the step once, grouped by layer,
-        phase, kind, axis and size in the trainer's order (explain's collectives table)."""
+        phase, kind, axis and size in the trainer's order (explain's collectives table). stage: (blocks, first,
+        last) of one pipeline stage: its windows' collectives only (its once-per-step ones are its shard's)."""
         ga = int(np.ravel(self.grad_acc)[i] if np.ndim(self.grad_acc) else self.grad_acc)
         rows: dict = {}
+        blocks, first, last = stage or (self.n_blocks, True, True)
         for p in self.passes(checkpointing):
-            for w, n in p.windows(self.n_blocks):
+            for w, n in p.stage(first, last).windows(blocks):
                 for c in w.collectives():
                     key = (c.layer, c.phase, c.kind, c.axis, float(np.ravel(c.nbytes)[i]))
                     rows[key] = (rows[key][0], rows[key][1] + n * ga) if key in rows else (c, n * ga)
-        for j, c in enumerate(self.step):  # each bucket of the gradients its own row, as the trainer issues it
+        for j, c in enumerate(self.step if stage is None else ()):  # each gradient bucket its own row, as issued
             calls = int(np.ravel(c.calls)[i]) if np.ndim(c.calls) else int(c.calls)
             if calls:
                 rows["step", j] = (c, calls)
@@ -310,6 +326,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         plan = comm.gradient_buckets(params.block_shard, params.lm_shard, params.emb_shard, L)
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
+    p2p_bytes = T / ex.sequence_split(gy) * model.hidden / gx * e
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
-                    step, optimizer_s, plan, g, extrapolated, replicated, params)
+                    step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
+                    comm.stage_transfer_seconds(profile, g, p2p_bytes))

@@ -92,15 +92,29 @@ class Candidates:
     order: np.ndarray  # index into ORDERS
     micro_batch: np.ndarray
     checkpointing: np.ndarray  # bool
+    pp: np.ndarray | None = None  # pipeline stages (None: 1); the pipeline axis is outermost, outside data
+    vpp: np.ndarray | None = None  # virtual stages per pipeline rank (interleaved; None: 1)
+    schedule: np.ndarray | None = None  # index into pipeline.SCHEDULES (None: 1f1b)
+
+    def __post_init__(self):
+        n = np.shape(self.gx)
+        for f, dtype in (("pp", np.int64), ("vpp", np.int64), ("schedule", np.int8)):
+            if getattr(self, f) is None:
+                setattr(self, f, np.full(n, 0 if f == "schedule" else 1, dtype=dtype))
 
     def __len__(self) -> int:
         return len(self.gx)
 
+    @property
+    def pipelined(self) -> bool:
+        return bool(np.any(self.pp > 1))
+
     def take(self, idx) -> Candidates:
-        return Candidates(*(getattr(self, f)[idx] for f in CANDIDATE_FIELDS))
+        return Candidates(**{f: getattr(self, f)[idx] for f in CANDIDATE_FIELDS})
 
 
-CANDIDATE_FIELDS = ("gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing")
+# checkpointing last: evaluate() pairs the halves that differ only in it
+CANDIDATE_FIELDS = ("gx", "gy", "gz", "gdata", "order", "micro_batch", "pp", "vpp", "schedule", "checkpointing")
 
 
 def micro_batch_choices(global_batch: int, max_micro_batch: int = 64) -> np.ndarray:
@@ -108,24 +122,61 @@ def micro_batch_choices(global_batch: int, max_micro_batch: int = 64) -> np.ndar
     return d[d <= max_micro_batch]
 
 
+def pipeline_choices(gpus: int, n_layers: int | None, pp="1", vpp=None, schedule: str = "all",
+                     max_vpp: int = 8) -> list[tuple[int, int, int]]:
+    """(pp, vpp, schedule index) of the space: pp "all" every divisor of the GPUs up to the blocks (or one
+    given), each with 1f1b and, for pp > 1, interleaved-1f1b with every vpp up to max_vpp that splits the
+    blocks evenly over pp * vpp virtual stages (or the vpp given)."""
+    from axoplan.planner.pipeline import SCHEDULES
+
+    if schedule != "all" and schedule not in SCHEDULES:
+        raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)} or all, got '{schedule}'")
+    if pp == "all":
+        pps = [int(d) for d in divisors(gpus) if n_layers is None or d <= n_layers]
+    else:
+        p = int(pp)
+        if p <= 0:
+            raise UserError(f"--pp must be a positive integer or all, got {pp}")
+        if gpus % p:
+            raise UserError(f"--pp {p} does not divide --gpus {gpus}")
+        if n_layers is not None and p > n_layers:
+            raise UserError(f"--pp {p} asks for more pipeline stages than the model's {n_layers} blocks")
+        pps = [p]
+    if vpp is not None:
+        if int(vpp) <= 0:
+            raise UserError(f"--vpp must be a positive integer, got {vpp}")
+        if int(vpp) > 1 and schedule == "1f1b":
+            raise UserError(f"--vpp {vpp} needs --schedule interleaved-1f1b (1f1b runs one stage per rank)")
+        if int(vpp) > 1 and pps == [1]:
+            raise UserError(f"--vpp {vpp} needs --pp of 2 or more")
+    out = []
+    for p in pps:
+        if schedule in ("all", "1f1b") and (vpp is None or int(vpp) == 1):
+            out.append((p, 1, 0))
+        if p == 1 or schedule == "1f1b":
+            continue
+        if vpp is not None:
+            if int(vpp) > 1 or schedule == "interleaved-1f1b":
+                out.append((p, int(vpp), 1))
+            continue
+        for v in range(2, max_vpp + 1):
+            if n_layers is not None and (p * v > n_layers or n_layers % (p * v)):
+                continue
+            out.append((p, v, 1))
+    if not out:
+        raise UserError(f"no pipeline configuration matches --pp {pp} --schedule {schedule}"
+                        + (f" --vpp {vpp}" if vpp is not None else ""))
+    return out
+
+
 def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_batch: int | None = None,
                     checkpointing: str = "both", max_micro_batch: int = 64,
-                    grid: tuple[int, int, int, int] | None = None) -> Candidates:
-    """Every candidate of the space, infeasible ones included (feasibility is the cost model's job)."""
-    if grid is not None:
-        if int(np.prod(grid)) != gpus:
-            raise UserError(f"--grid {','.join(map(str, grid))} multiplies to {int(np.prod(grid))}, not --gpus {gpus}")
-        grids = np.array([grid], dtype=np.int64)
-    else:
-        grids = factorizations4(gpus)
-    if orders == "all":
-        keep = distinct_orders(grids)
-    else:
-        if orders not in ORDERS:
-            raise UserError(f"--order must be one of {', '.join(ORDERS)} or all, got '{orders}'")
-        keep = np.zeros((len(grids), len(ORDERS)), dtype=bool)
-        keep[:, ORDERS.index(orders)] = True
-    gi, oi = np.nonzero(keep)
+                    grid: tuple[int, int, int, int] | None = None, pipelines=((1, 1, 0),)) -> Candidates:
+    """Every candidate of the space, infeasible ones included (feasibility is the cost model's job).
+    pipelines: the (pp, vpp, schedule index) to combine with every grid of gpus / pp (pipeline_choices);
+    a given grid multiplies to gpus / pp."""
+    if orders != "all" and orders not in ORDERS:
+        raise UserError(f"--order must be one of {', '.join(ORDERS)} or all, got '{orders}'")
     if micro_batch is not None:
         if micro_batch <= 0:
             raise UserError(f"--micro-batch must be a positive integer, got {micro_batch}")
@@ -133,23 +184,49 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
     else:
         mbs = micro_batch_choices(global_batch, max_micro_batch)
     ck = {"both": [False, True], "on": [True], "off": [False]}[checkpointing]
-    n = len(gi) * len(mbs) * len(ck)
+    blocks = []
+    n = 0
+    for pp, vpp, sched in pipelines:
+        if grid is not None:
+            if int(np.prod(grid)) * pp != gpus:
+                what = f"--pp {pp} x " if pp > 1 else ""
+                raise UserError(f"{what}--grid {','.join(map(str, grid))} multiplies to {int(np.prod(grid)) * pp}, "
+                                f"not --gpus {gpus}")
+            grids = np.array([grid], dtype=np.int64)
+        else:
+            grids = factorizations4(gpus // pp)
+        if orders == "all":
+            keep = distinct_orders(grids)
+        else:
+            keep = np.zeros((len(grids), len(ORDERS)), dtype=bool)
+            keep[:, ORDERS.index(orders)] = True
+        gi, oi = np.nonzero(keep)
+        blocks.append((pp, vpp, sched, grids, gi, oi))
+        n += len(gi) * len(mbs) * len(ck)
     if n > MAX_CANDIDATES:
         # evaluation holds every candidate in memory at once (about 1 KiB each)
         raise UserError(f"{gpus} GPUs with global batch {global_batch} give {n:,} candidate configurations, more than "
-                        f"the {MAX_CANDIDATES:,} axoplan evaluates at once; fix --micro-batch, --order or "
+                        f"the {MAX_CANDIDATES:,} axoplan evaluates at once; fix --micro-batch, --order, --pp or "
                         f"--checkpointing, or choose a GPU count with fewer factors")
     # checkpointing outermost: with "both" the second half repeats the first with it on, which lets the
     # cost model evaluate everything that does not depend on it once (see planner.batch.evaluate)
-    base_g = np.repeat(gi, len(mbs))
-    base_o = np.repeat(oi, len(mbs)).astype(np.int8)
-    mb = np.tile(mbs, len(gi))
-    g = grids[base_g]
-    parts = [Candidates(g[:, 0].copy(), g[:, 1].copy(), g[:, 2].copy(), g[:, 3].copy(), base_o.copy(), mb.copy(),
-                        np.full(len(mb), flag)) for flag in ck]
+    cols = {f: [] for f in CANDIDATE_FIELDS if f != "checkpointing"}
+    for pp, vpp, sched, grids, gi, oi in blocks:
+        g = grids[np.repeat(gi, len(mbs))]
+        for j, f in enumerate(("gx", "gy", "gz", "gdata")):
+            cols[f].append(g[:, j])
+        cols["order"].append(np.repeat(oi, len(mbs)).astype(np.int8))
+        cols["micro_batch"].append(np.tile(mbs, len(gi)))
+        k = len(gi) * len(mbs)
+        cols["pp"].append(np.full(k, pp, dtype=np.int64))
+        cols["vpp"].append(np.full(k, vpp, dtype=np.int64))
+        cols["schedule"].append(np.full(k, sched, dtype=np.int8))
+    base = {f: np.concatenate(v) for f, v in cols.items()}
+    parts = [Candidates(**{f: v.copy() for f, v in base.items()}, checkpointing=np.full(len(base["gx"]), flag))
+             for flag in ck]
     if len(parts) == 1:
         return parts[0]
-    return Candidates(*(np.concatenate([getattr(p, f) for p in parts]) for f in CANDIDATE_FIELDS))
+    return Candidates(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in CANDIDATE_FIELDS})
 
 
 # ---- divisibility: one rule set for planner and trainer -----------------------------------
@@ -169,6 +246,29 @@ def divisibility_masks(model: ModelSpec, global_batch: int, seq_len: int, c: Can
          f"micro-batch {{micro_batch}} does not divide the {global_batch}/(gdata*gz) sequences per GPU"),
         (np.full(len(gx), m.position == "learned" and seq_len > m.seq_len),
          f"seq_len {seq_len} exceeds the model's {m.seq_len} learned positions"),
+    ] + pipeline_masks(m, global_batch, c)
+
+
+def micro_batches(global_batch: int, c: Candidates) -> np.ndarray:
+    """Micro-batches each pipeline (or, without one, each GPU) runs per step: B / (micro-batch * gz * gdata)."""
+    return global_batch // np.maximum(c.gdata * c.gz * c.micro_batch, 1)
+
+
+def pipeline_masks(model: ModelSpec, global_batch: int, c: Candidates) -> list[tuple[np.ndarray, str]]:
+    """The pipeline's rules (templates also take pp, vpp and m, the micro-batches per step): no more virtual
+    stages than blocks; 1f1b needs at least pp micro-batches (torch's Schedule1F1B refuses fewer); interleaved
+    needs a multiple of pp (Megatron-LM's rule; torch's ScheduleInterleaved1F1B's whenever m >= pp)."""
+    from axoplan.planner.pipeline import SCHEDULES
+
+    m = micro_batches(global_batch, c)
+    interleaved = c.schedule == SCHEDULES.index("interleaved-1f1b")
+    return [
+        (c.pp * c.vpp > model.n_layers,
+         f"pp={{pp}} x vpp={{vpp}} virtual stages are more than the model's {model.n_layers} blocks"),
+        ((c.pp > 1) & ~interleaved & (m < c.pp), "1f1b over pp={pp} stages needs at least {pp} micro-batches, "
+                                                  "the step has {m}"),
+        (interleaved & ((m < c.pp) | (m % np.maximum(c.pp, 1) != 0)),
+         "interleaved-1f1b over pp={pp} stages needs a multiple of {pp} micro-batches, the step has {m}"),
     ]
 
 
@@ -178,5 +278,6 @@ def grid_problem(model: ModelSpec, gx: int, gy: int, gz: int, gdata: int, global
     c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, 0, micro_batch)), np.array([False]))
     for mask, template in divisibility_masks(model, global_batch, seq_len or model.seq_len, c):
         if mask[0]:
-            return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch)
+            return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch, pp=1, vpp=1,
+                                    m=int(micro_batches(global_batch, c)[0]))
     return None

@@ -224,7 +224,8 @@ def load_model(name_or_path: str | ModelSpec) -> ModelSpec:
         if not p.is_file():
             raise UserError(f"model file '{s}' {'is not a file' if p.exists() else 'does not exist'}")
         return model_from_dict(_read_yaml(p, f"model file '{s}'"), f"model file '{s}'")
+    # a preset is a name among the bundled files, never a path ('../../x/m' would load m.yaml from anywhere)
     res = _preset_dir() / f"{s}.yaml"
-    if not res.is_file():
+    if s not in preset_names():
         raise UserError(f"unknown model '{s}'; known presets: {', '.join(preset_names())} (or give a YAML path)")
     return model_from_dict(_read_yaml(res, f"preset '{s}'"), f"preset '{s}'")

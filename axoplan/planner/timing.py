@@ -135,7 +135,7 @@ def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, reco
             return w.ag + side_by_side(w.compute + w.blocking, w.rs)
         return w.ag + w.compute + w.blocking + w.rs
 
-    total = prefix[0].ag if oag else 0.0
+    total = (prefix + block)[0].ag if oag else 0.0
     for i, w in enumerate(prefix):
         nxt = (prefix + block)[i + 1]
         t = window_time(w, nxt)

@@ -35,6 +35,15 @@ class SyntheticText:
         return out
 
 
+MAX_DATA_BYTES = 4 * 2**30  # one data file, read whole into memory
+
+
+def _short_data(path: str, text_bytes: int, length: int) -> UserError:
+    s = "" if text_bytes == 1 else "s"
+    return UserError(f"data '{path}' holds {text_bytes} byte{s} of text, fewer than the {length} one training "
+                     f"sequence needs (seq_len tokens and the next token of each)")
+
+
 class ByteFiles:
     """The bytes of one file or of every file under a folder (sorted, joined by newlines);
     each sequence starts at a seeded random offset."""
@@ -44,17 +53,20 @@ class ByteFiles:
         if not p.exists():
             raise UserError(f"data path '{path}' does not exist (use 'synthetic' or a text file or folder)")
         files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        from axoplan.yamlio import read_bytes
+
         parts = []
         for f in files:
-            parts.append(np.fromfile(f, dtype=np.uint8))
-            parts.append(np.array([10], dtype=np.uint8))
+            parts.append(np.frombuffer(read_bytes(f, f"data file '{f}'", MAX_DATA_BYTES), dtype=np.uint8))
+            parts.append(np.array([10], dtype=np.uint8))  # one newline between files
         self.data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+        self.text_bytes = len(self.data) - len(files)  # what the files hold, without the separators
         self.seed, self.path = seed, path
 
     def sequences(self, step: int, indices, length: int) -> np.ndarray:
         n = len(self.data)
         if n < length:
-            raise UserError(f"data '{self.path}' has {n} bytes, fewer than one sequence of {length} tokens")
+            raise _short_data(self.path, self.text_bytes, length)
         out = np.empty((len(indices), length), dtype=np.int64)
         for row, g in enumerate(indices):
             start = int(np.random.default_rng([self.seed, step, int(g)]).integers(0, n - length + 1))
@@ -68,5 +80,5 @@ def open_source(data: str, seed: int, length: int):
         return SyntheticText(seed)
     src = ByteFiles(data, seed)
     if len(src.data) < length:
-        raise UserError(f"data '{data}' has {len(src.data)} bytes, fewer than one sequence of {length} tokens")
+        raise _short_data(data, src.text_bytes, length)
     return src

@@ -61,14 +61,20 @@ def _checked(de: DistEnv) -> DistEnv:
 def export_for_env_init(de: DistEnv, env=None) -> None:
     """torch's env:// rendezvous reads RANK/WORLD_SIZE/MASTER_*: fill them in under srun."""
     env = os.environ if env is None else env
+    if de.launcher == "single":
+        return
+    # the same check for either launcher: torch's env:// reads both and fails with a traceback otherwise
+    if not env.get("MASTER_ADDR", "").strip() or "MASTER_PORT" not in env:
+        who = ("under srun, export MASTER_ADDR (the first node's host name) and MASTER_PORT before starting "
+               "the tasks" if de.launcher == "srun" else
+               "RANK and WORLD_SIZE are set (a torchrun-style launch), so MASTER_ADDR and MASTER_PORT must be "
+               "too; start it with torchrun, or unset RANK and WORLD_SIZE to run one process")
+        raise UserError(f"{who} (see docs/trainer.md)")
+    port = env["MASTER_PORT"].strip()
+    if not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+        raise UserError(f"environment variable MASTER_PORT must be a port number from 1 to 65535, got {port[:20]!r}")
     if de.launcher != "srun":
         return
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-        raise UserError("under srun, export MASTER_ADDR (the first node's host name) and MASTER_PORT "
-                        "before starting the tasks (see docs/trainer.md)")
-    port = env["MASTER_PORT"].strip()
-    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"environment variable MASTER_PORT must be a port number from 1 to 65535, got {port[:20]!r}")
     env.setdefault("RANK", str(de.rank))
     env.setdefault("WORLD_SIZE", str(de.world_size))
     env.setdefault("LOCAL_RANK", str(de.local_rank))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import resource
 import statistics
 import sys
@@ -37,7 +38,37 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---- configuration checks that must pass on every rank before any process group exists ----------
-def check_config(cfg: LaunchConfig, world_size: int) -> ModelSpec:
+# fp32 master weights, their gradients and AdamW's two moments: the least a rank holds per parameter of its shard
+STATE_BYTES_PER_PARAM = 16
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says can be allocated now without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(spec: ModelSpec, cfg: LaunchConfig, local_world_size: int) -> None:
+    """Refuse a model whose weights and optimizer states alone exceed this host's free memory (every
+    rank here on CPU), before the allocator kills the run half-way through building it."""
+    if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
+        return  # on GPUs the planner's memory model and the profile's capacity decide
+    g = cfg.grid
+    need = STATE_BYTES_PER_PARAM * spec.n_params / (g.gx * g.gy * g.gz) * max(1, local_world_size)
+    have = host_memory_available()
+    if have is not None and need > have:
+        raise UserError(f"model '{spec.name}' needs at least {need / 2**30:.3g} GiB on this host for its weights, "
+                        f"gradients and AdamW states ({STATE_BYTES_PER_PARAM} bytes per parameter, "
+                        f"{local_world_size} rank(s) here), and only {have / 2**30:.3g} GiB is available")
+
+
+def check_config(cfg: LaunchConfig, world_size: int, local_world_size: int | None = None) -> ModelSpec:
     spec = load_model(cfg.model)
     g = cfg.grid
     if g.size != world_size:
@@ -48,6 +79,7 @@ def check_config(cfg: LaunchConfig, world_size: int) -> ModelSpec:
     why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq)
     if why:
         raise UserError(f"config cannot run model '{spec.name}': {why}")
+    check_memory(spec, cfg, world_size if local_world_size is None else local_world_size)
     open_source(cfg.data, cfg.seed, seq + 1)  # a missing or too short data path fails here, on all ranks
     peak_tflops(cfg)  # an unknown machine profile fails here too
     return spec
@@ -259,6 +291,9 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.res.device)
         for step in range(steps):
             out, dt = self.timed_step(step)
+            if not math.isfinite(out["loss"]):  # every rank sees the same reduced loss, so all stop alike
+                raise UserError(f"the loss became {out['loss']} at step {step}: training diverged (a learning "
+                                f"rate of {cfg.lr:g} may be too large); nothing after it would mean anything")
             tflops = flops / dt / self.grid.size / 1e12
             rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "batch_time_s": dt,
                    "tokens_per_s": tokens / dt, "model_tflops_per_gpu": tflops,

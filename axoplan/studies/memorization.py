@@ -43,8 +43,10 @@ from axoplan.atomic import (
     atomic_write_text,
     check_writable,
     ensure_dir,
+    write_files,
 )
 from axoplan.errors import UserError
+from axoplan.yamlio import read_bytes
 
 SUFFIX = 50  # tokens decoded and compared per document (the goldfish paper's setting)
 LOSSES = ("standard", "goldfish")
@@ -158,6 +160,9 @@ def stdlib_texts() -> list[tuple[str, bytes]]:
     return out
 
 
+MAX_DOCUMENT_BYTES = 256 * 2**20  # one text file of the --docs folder
+
+
 def folder_texts(path: str) -> list[tuple[str, bytes]]:
     """The bytes of a text file, or of every file under a folder (sorted, hidden files skipped)."""
     p = Path(path)
@@ -168,7 +173,10 @@ def folder_texts(path: str) -> list[tuple[str, bytes]]:
     out = []
     for f in files:
         try:
-            out.append((str(f.relative_to(p)) if p.is_dir() else f.name, f.read_bytes()))
+            name = str(f.relative_to(p)) if p.is_dir() else f.name
+            # a file name need not be UTF-8: its bytes escaped, so every output can name the document
+            name = inputs.printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
+            out.append((name, read_bytes(f, f"document '{f}'", MAX_DOCUMENT_BYTES)))
         except OSError as e:
             raise UserError(f"cannot read document '{f}': {e.strerror or e}") from None
     return out
@@ -482,10 +490,11 @@ def run_study(s: StudySettings, echo=print) -> dict:
         runs = _run_torchrun(s, job, out)
     wall = time.perf_counter() - t0
     summary = build_summary(s, spec.name, grid, docs, runs, wall)
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    atomic_write_text(out / "per_document.csv", per_document_csv(docs, runs))
-    atomic_write_text(out / "generations.jsonl", generations_jsonl(docs, runs))
-    write_plot(summary, out / "memorization.png")
+    # every output is made in memory first, then all replace the last run's together (or none does)
+    write_files(out, {"summary.json": (json.dumps(summary, indent=2) + "\n", None),
+                      "per_document.csv": (per_document_csv(docs, runs), None),
+                      "generations.jsonl": (generations_jsonl(docs, runs), None),
+                      "memorization.png": (plot_png(summary), None)})
     return summary
 
 
@@ -573,7 +582,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_plot(summary: dict, path: Path) -> None:
+def plot_png(summary: dict) -> bytes:
     """Exact match and RougeL against repeats for both losses (bars when measured at one repeat count)."""
     plt = plots.pyplot()
 
@@ -605,7 +614,7 @@ def write_plot(summary: dict, path: Path) -> None:
     fig.suptitle(f"{summary['model']}: {summary['documents']} documents of {summary['document_tokens']} tokens, "
                  f"greedy decoding of the last {summary['suffix_tokens']}")
     fig.tight_layout()
-    plots.save_png(fig, path, dpi=100)
+    return plots.png_bytes(fig, dpi=100)
 
 
 if __name__ == "__main__":  # torchrun -m axoplan.studies.memorization JOB.json (started by run_study)

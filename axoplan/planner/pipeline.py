@@ -1,0 +1,213 @@
+"""The pipeline axis: which blocks each stage holds, the order in which every pipeline rank runs its forward
+and backward chunks, and the walk of that order that gives the step's time on every candidate at once.
+
+Blocks are split over the pp * vpp virtual stages as evenly as the layer count allows; the first L mod (pp*vpp)
+virtual stages take one block more (the last never does: it also holds the LM head). Virtual stage v runs on
+pipeline rank v mod pp (the interleaved layout of Narayanan et al. 2021, as torch.distributed.pipelining places
+multiple stages per rank); the embedding is on virtual stage 0, the final norm and LM head on the last.
+
+The order of each rank's operations follows torch.distributed.pipelining (torch 2.13, schedules.py):
+- `1f1b` (Schedule1F1B): rank s runs min(m, pp - s) forwards, then one backward and one forward alternately
+  until every forward ran, then the remaining backwards. It needs m >= pp micro-batches.
+- `interleaved-1f1b` (ScheduleInterleaved1F1B): vpp stages per rank, micro-batches in rounds of pp, forwards
+  depth first over the rank's stages; rank s warms up with (vpp - 1) * pp + 2 * (pp - 1 - s) forwards. The
+  planner asks m to be a multiple of pp (Megatron-LM's rule, and torch's when m >= pp).
+
+The walk: an operation starts when the rank's previous one has ended and its input has arrived (the previous
+virtual stage's forward of the same micro-batch, or the next one's backward, plus the point-to-point transfer
+between them); it takes its stage's seconds. Warm-up, steady state, cool-down, the bubble and the stages'
+imbalance all come out of it. It runs level by level (operations no path connects run as one numpy step) over
+every candidate of the same structure. Past a few rounds the walk's increments are periodic (the steady
+state), so for many micro-batches the walk runs `steady_cap` of them and continues the last round's increment.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+def blocks_per_stage(n_layers: int, stages) -> tuple[np.ndarray, np.ndarray]:
+    """(q, r): each of `stages` virtual stages holds q blocks, the first r one more."""
+    stages = np.maximum(np.asarray(stages, dtype=np.int64), 1)
+    return n_layers // stages, n_layers % stages
+
+
+def stage_blocks(n_layers: int, pp: int, vpp: int = 1) -> np.ndarray:
+    """Blocks of each virtual stage, in model order."""
+    q, r = blocks_per_stage(n_layers, pp * vpp)
+    return q + (np.arange(pp * vpp) < r)
+
+
+def warmup_forwards(schedule: str, pp: int, vpp: int, m: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first backward."""
+    if schedule == "1f1b":
+        return min(m, pp - rank)
+    return min((vpp - 1) * pp + 2 * (pp - 1 - rank), m * vpp)
+
+
+def _interleave(fwd: np.ndarray, bwd: np.ndarray, warmup: int) -> np.ndarray:
+    """A rank's order from its forwards and backwards in their own orders: `warmup` forwards, then one forward
+    and one backward alternately, then the remaining backwards."""
+    total = len(fwd)
+    pairs = np.stack([fwd[warmup:], bwd[:total - warmup]], axis=1).reshape(-1)
+    return np.concatenate([fwd[:warmup], pairs, bwd[total - warmup:]])
+
+
+def rank_sequences(schedule: str, pp: int, vpp: int, m: int) -> list:
+    """Per pipeline rank, its operations in order as ids: kind * V * m + v * m + i (kind 0 forward, 1 backward,
+    virtual stage v, micro-batch i).
+
+    1f1b: the rank's stage, micro-batches in order. interleaved: step k of the rank's forwards is micro-batch
+    (k // (r * vpp)) * r + k % r of its stage number (k // r) % vpp, r micro-batches a round (pp, or m when
+    fewer); its backwards the same over the stages in reverse."""
+    V = pp * vpp
+    out = []
+    for s in range(pp):
+        if schedule == "1f1b":
+            i = np.arange(m)
+            fwd, bwd = s * m + i, V * m + s * m + i
+        else:
+            r = pp if m >= pp else m
+            k = np.arange(m * vpp)
+            chunk, mb = (k // r) % vpp, (k // (r * vpp)) * r + k % r
+            fwd = (chunk * pp + s) * m + mb
+            bwd = V * m + ((vpp - 1 - chunk) * pp + s) * m + mb
+        w = warmup_forwards(schedule, pp, vpp, m, s)
+        # Schedule1F1B runs its w-th forward, then a backward first in each pair: w - 1 forwards, then pairs
+        out.append(_interleave(fwd, bwd, w - 1 if schedule == "1f1b" else w))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def rank_orders(schedule: str, pp: int, vpp: int, m: int) -> tuple:
+    """Per pipeline rank, its operations in order: ("F" | "B", virtual stage, micro-batch)."""
+    V = pp * vpp
+    return tuple(tuple(("B" if o >= V * m else "F", int(o % (V * m) // m), int(o % m)) for o in seq)
+                 for seq in rank_sequences(schedule, pp, vpp, m))
+
+
+@dataclass(frozen=True)
+class Walk:
+    """One structure's operations in level order, as index arrays: for each operation (numbered in the
+    order of `levels`) the rank's previous one and the one whose output it needs (n_ops: none), the row of
+    its seconds (forward of virtual stage v: v; backward: V + v), whether a point-to-point transfer sits on
+    its input (0 none, 1 an activation, 2 a gradient); and for each rank its last operation."""
+
+    levels: tuple  # slices into the arrays below, one per level
+    prev: np.ndarray
+    dep: np.ndarray
+    row: np.ndarray
+    p2p: np.ndarray
+    last: np.ndarray  # [pp] the index of each rank's last operation
+    n_ops: int
+
+
+@functools.lru_cache(maxsize=256)
+def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
+    """The walk's index arrays: an operation's level is one more than the larger of its rank's previous one's
+    and its input's, found by advancing every rank whose next input is placed, all ranks at once."""
+    V = pp * vpp
+    n = 2 * V * m
+    ids = np.arange(n)
+    kind, v = ids // (V * m), ids % (V * m) // m
+    dep = np.where(kind == 0, np.where(v > 0, ids - m, -1), np.where(v < V - 1, ids + m, ids - V * m))
+    seqs = rank_sequences(schedule, pp, vpp, m)
+    lens = np.array([len(q) for q in seqs])
+    table = np.full((pp, int(lens.max()) + 1), -1, dtype=np.int64)
+    for s, q in enumerate(seqs):
+        table[s, 1:len(q) + 1] = q  # column 0: no previous operation
+    level = np.full(n + 1, -1, dtype=np.int64)  # level[-1]: none, -1
+    ptr = np.ones(pp, dtype=np.int64)
+    ranks = np.arange(pp)
+    while True:
+        live = ptr <= lens
+        if not live.any():
+            break
+        op = np.where(live, table[ranks, np.minimum(ptr, table.shape[1] - 1)], n)
+        d = np.where(live, dep[np.minimum(op, n - 1)], -1)
+        ready = live & ((d < 0) | (level[d] >= 0))
+        if not ready.any():
+            raise RuntimeError(f"the {schedule} order of pp={pp}, vpp={vpp}, m={m} deadlocks")
+        before = level[table[ranks, ptr - 1]]
+        lev = 1 + np.maximum(before, np.where(d >= 0, level[d], -1))
+        level[op[ready]] = lev[ready]
+        ptr += ready
+    level = level[:n]
+    ordered = np.argsort(level, kind="stable")
+    index = np.empty(n, dtype=np.int64)
+    index[ordered] = ids
+    prev_id = np.full(n, -1, dtype=np.int64)
+    for q in seqs:
+        prev_id[q[1:]] = q[:-1]
+    o = ordered
+    prev = np.where(prev_id[o] >= 0, index[np.maximum(prev_id[o], 0)], n)
+    dp = np.where(dep[o] >= 0, index[np.maximum(dep[o], 0)], n)
+    # a transfer where the input comes from another rank: a forward's from the stage before, a backward's from
+    # the stage after (the last stage's backward reads its own forward)
+    p2p = np.where(kind[o] == 0, np.where(v[o] > 0, 1, 0), np.where(v[o] < V - 1, 2, 0))
+    row = v[o] + V * kind[o]
+    bounds = np.searchsorted(level[o], np.arange(int(level.max()) + 2))
+    levels = tuple(slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
+    last = index[np.array([q[-1] for q in seqs])]
+    return Walk(levels, prev, dp, row, p2p, last, n)
+
+
+def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
+    """Each rank's end time [pp, n]: seconds [2V, n] per operation row, send [3, n] per transfer kind."""
+    n = seconds.shape[1]
+    end = np.zeros((plan.n_ops + 1, n))
+    for sl in plan.levels:
+        ready = np.maximum(end[plan.prev[sl]], end[plan.dep[sl]] + send[plan.p2p[sl]])
+        end[sl] = ready + seconds[plan.row[sl]]
+    return end[plan.last]
+
+
+def steady_cap(schedule: str, pp: int) -> tuple[int, int]:
+    """(micro-batches walked at most, the period in micro-batches over which the walk's increment is taken)."""
+    # the increments settle after a few rounds and then repeat with a period dividing 2 * pp (a cycle through
+    # the transfers around the pipeline; measured: 1, 2 and pp micro-batches); interleaved walks whole rounds
+    return (6 * pp + 4 if schedule == "1f1b" else 7 * pp), 2 * pp
+
+
+def walked(schedule: str, pp: int, m):
+    """The micro-batches the walk runs for m: m itself up to steady_cap, past it the cap."""
+    return np.minimum(m, steady_cap(schedule, pp)[0])
+
+
+def rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
+    """[pp, n]: when each pipeline rank's last backward ends, for m micro-batches (per candidate; every one
+    with the same walked(m)) of the given seconds ([2V, n]: forward then backward of each virtual stage) and
+    transfers ([2, n]: activation, gradient). Past steady_cap the walk of the cap continues by the mean increment
+    of its last period: within one period's spread of the increments of the walk itself (tested)."""
+    send = np.concatenate([np.zeros((1, seconds.shape[1])), send])
+    m = np.asarray(m)
+    cap, period = steady_cap(schedule, pp)
+    w = walked(schedule, pp, m)
+    w0 = int(np.max(w))
+    if np.any(w != w0):
+        raise ValueError("rank_end_times walks one number of micro-batches at a time")
+    full = _walk(walk_plan(schedule, pp, vpp, w0), seconds, send)
+    if not np.any(m > cap):
+        return full
+    before = _walk(walk_plan(schedule, pp, vpp, cap - period), seconds, send)
+    return full + (m - cap) / period * (full - before)
+
+
+@functools.lru_cache(maxsize=1024)
+def peak_in_flight(schedule: str, pp: int, vpp: int, m: int) -> tuple:
+    """Per rank, the forwards of each virtual stage whose activations are live at the rank's peak (the first
+    moment it has run the most forwards not yet back-propagated), as a tuple of V counts."""
+    V = pp * vpp
+    out = []
+    for seq in rank_sequences(schedule, pp, vpp, m):
+        fwd = seq < V * m
+        live = np.cumsum(np.where(fwd, 1, -1))
+        upto = seq[:int(np.argmax(live)) + 1]
+        v = upto % (V * m) // m
+        count = np.bincount(v[upto < V * m], minlength=V) - np.bincount(v[upto >= V * m], minlength=V)
+        out.append(tuple(int(x) for x in count))
+    return tuple(out)

@@ -1,0 +1,280 @@
+"""Timing of a pipelined step: each virtual stage's forward and backward of one micro-batch from the schedule's
+windows (the embedding's on the first stage, the LM head's on the last), the walk of the pipeline's order over
+them (pipeline.py), then each pipeline rank's data-parallel gradients and optimizer after its last backward.
+
+batch = max over ranks (the end of its last backward + its gradient reduction + its optimizer) + the fixed
+overhead; for the slowest rank, `bubble` is the time it waits for its inputs (warm-up, cool-down, imbalance and
+transfers not hidden) and the rest splits into compute and exposed communication as without a pipeline.
+A rank's gradient reduction is the step's blocking one over its own shard: the bucketed overlap with the last
+backward is not modelled across stages (the middle ranks take the heaviest middle rank's).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from axoplan.planner import comm
+from axoplan.planner import compute as work
+from axoplan.planner.execution import Execution
+from axoplan.planner.machine import MachineProfile
+from axoplan.planner.pipeline import SCHEDULES, rank_end_times, steady_cap
+from axoplan.planner.rows import distinct_rows
+from axoplan.planner.schedule import Schedule
+from axoplan.planner.space import Candidates
+from axoplan.planner.specs import ModelSpec
+from axoplan.planner.timing import run_windows, strategy, timed
+
+KINDS = {"first": (True, False), "middle": (False, False), "last": (False, True)}
+
+
+@dataclass
+class PipelineTime:
+    """Per candidate (the shape of the schedule's arrays): the batch, the slowest rank's compute, collectives,
+    exposed communication and bubble; which rank that is; and per stage kind one micro-batch's seconds."""
+
+    batch: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    exposed: np.ndarray
+    bubble: np.ndarray
+    critical_rank: np.ndarray
+    stage_seconds: dict  # (kind, pass) -> (prefix, block, last, suffix) seconds, as run_windows' parts
+    exact: np.ndarray  # walked; False: the batch is bound_time's lower bound (a candidate not worth walking)
+
+
+def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
+    """Blocks pipeline rank `rank` holds: vpp virtual stages of q blocks, plus one for each of its stages among
+    the first L mod (pp * vpp)."""
+    pp, vpp, rank = (np.asarray(x, dtype=np.int64) for x in (pp, vpp, rank))
+    V = np.maximum(pp * vpp, 1)
+    q, r = n_layers // V, n_layers % V
+    extra = np.clip(-(-(r - rank) // np.maximum(pp, 1)), 0, vpp)
+    return vpp * q + extra
+
+
+def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
+    """(kind, pass) -> (run_windows' parts, (compute of one block and one micro-batch's fixed windows, of a block),
+    the same for the collectives) of every stage kind; each window is timed once for all kinds."""
+    out = {}
+    for name, p in (("forward", sched.forward), ("backward", sched.backward),
+                    ("backward_recompute", sched.backward_recompute)):
+        cache = {id(w): timed(w, side, overlap) for w in p.prefix + p.block + p.suffix}
+        t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
+        block_compute = sum(w.compute_s() for w in p.block)
+        block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
+        for kind, (first, last) in KINDS.items():
+            st = p.stage(first, last)
+            parts: dict = {}
+            run_windows([t(w) for w in st.prefix], [t(w) for w in p.block], [t(w) for w in st.suffix], 1, overlap,
+                        overlap, None, side, parts)
+            ends = st.prefix + st.suffix
+            compute = (sum(w.compute_s() for w in ends) + block_compute, block_compute)
+            colls = (sum(sum(c.seconds for c in w.collectives()) for w in ends) + block_colls, block_colls)
+            out[kind, name] = (parts, compute, colls)
+    return out
+
+
+def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
+               seq_len: int, blocks, first: bool, last: bool):
+    """(seconds of the gradient reduction and other once-per-step collectives, optimizer seconds) of a rank
+    holding `blocks` blocks (the embedding on the first, the LM head and final norm on the last)."""
+    ps = sched.params
+    shard = ps.block_shard * blocks + (ps.emb_shard if first else 0) + (ps.lm_shard if last else 0)
+    hx = model.hidden / c.gx
+    replicated = (2 * blocks + last) * hx + (seq_len * hx if first and model.position == "learned" else 0)
+    g = sched.groups
+    e = profile.dtype_bytes
+    step = comm.data_parallel_collectives(profile, g, np.asarray(shard, dtype=np.float64), replicated, None, ex, e)
+    dp = sum(s.seconds * s.calls for s in step)
+    stage_model = dataclasses.replace(model, n_layers=1)  # the replicated count follows `blocks` below
+    w = work.step_work(stage_model, c.gx, c.gz, c.gdata, c.micro_batch, seq_len, sched.grad_acc, shard,
+                       work.fused_optimizer(profile), ex, e)
+    # step_work counts one block's replicated tensors: the rest are the per-tensor work of blocks - 1 more
+    extra = work.Work(16 * 2 * hx * (blocks - 1), 0)
+    return dp, work.optimizer_seconds(profile, w + extra)
+
+
+@dataclass
+class BestOf:
+    """Which pipelined candidates to walk when only the best `top` feasible ones need exact times: first the
+    `top` with the smallest lower bounds; then every feasible one whose bound is within `slack` of the top-th
+    best time known (the candidates evaluated without a pipeline, `known`, and those walked). The top-th best of
+    a subset is never below the top-th best of all, so no candidate that can be among the best stays unwalked."""
+
+    top: int
+    known: np.ndarray
+    feasible: np.ndarray
+    slack: float
+
+    def first(self, bound: np.ndarray) -> np.ndarray:
+        ok = np.asarray(self.feasible).reshape(-1)
+        pick = np.zeros(len(bound), dtype=bool)
+        cand = np.nonzero(ok)[0]
+        if len(cand):
+            pick[cand[np.argsort(bound[cand], kind="stable")[:self.top]]] = True
+        return pick
+
+    def then(self, time: np.ndarray, exact: np.ndarray) -> np.ndarray:
+        ok = np.asarray(self.feasible).reshape(-1)
+        pool = np.concatenate([np.asarray(self.known, dtype=np.float64).reshape(-1), time[ok & exact]])
+        limit = np.inf if len(pool) < self.top else float(np.partition(pool, self.top - 1)[self.top - 1]) * self.slack
+        return ok & (time <= limit)
+
+
+def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
+                       seq_len: int, overlap: bool, walk: BestOf | None = None) -> PipelineTime:
+    """The batch time of pipelined candidates (every one has pp > 1), by walking each structure's order.
+
+    walk: which candidates to walk when only the best need exact times (BestOf); the others keep their lower
+    bound (bound_time) and `exact` False. None: every candidate walked."""
+    timing = strategy(profile)
+    timing.retime(profile, sched)
+    parts = _stage_parts(sched, timing.side_by_side, overlap)
+    ck = np.asarray(sched.checkpointing)
+    shape = np.broadcast(ck, c.gx, sched.grad_acc).shape
+    N = int(np.prod(shape))
+
+    def flat(x):
+        return np.broadcast_to(np.asarray(x), shape).reshape(-1)
+
+    class Lazy:
+        """An array as the flattened candidates see it, gathered only at the indices asked for (a broadcast
+        [2, h] view flattened would be copied whole); indexed by an Index (the positions unravelled once)."""
+
+        def __init__(self, x):
+            self.x = np.broadcast_to(np.asarray(x), shape)
+
+        def __getitem__(self, at):
+            return self.x[at.where]
+
+    class Index(np.ndarray):
+        """Flat candidate indices that carry their unravelled positions."""
+
+        @staticmethod
+        def of(idx):
+            out = np.asarray(idx).view(Index)
+            out.where = np.unravel_index(idx, shape)
+            return out
+
+    ckf = flat(ck)
+    pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(sched.grad_acc)
+    L = model.n_layers
+    # the rank's once-per-step work: first, the heaviest middle rank (1), last
+    ranks = {"first": 0, "middle": 1, "last": None}
+    after = {}
+    for kind, (first, last) in KINDS.items():
+        r = np.asarray(c.pp) - 1 if last else ranks[kind]
+        dp, opt = _rank_step(profile, sched, model, c, ex, seq_len, rank_blocks(L, c.pp, c.vpp, r), first, last)
+        after[kind] = (Lazy(dp), Lazy(opt))
+
+    # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
+    flat_parts = {}
+    for key, (pr, (c1, cb), (l1, lb)) in parts.items():
+        flat_parts[key] = [Lazy(x) for x in (pr["prefix"], pr["block"], pr["last"], pr["suffix"], c1, cb, l1, lb)]
+
+    def stage(kind, n, idx):
+        """One micro-batch's (window seconds, compute, collectives) forward and backward on n blocks."""
+        out = []
+        for name in ("forward", "backward"):
+            xs = [a[idx] for a in flat_parts[kind, name]]
+            if name == "backward":
+                ys = [a[idx] for a in flat_parts[kind, "backward_recompute"]]
+                xs = [np.where(ckf[idx], y, x) for x, y in zip(xs, ys)]
+            pre, blk, lst, suf, c1, cb, l1, lb = xs
+            out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1)))
+        return out
+
+    sends = flat(sched.p2p)
+    # an infeasible interleaved step (micro-batches not a multiple of pp) is timed at the next multiple
+    m = np.where(SCHEDULES.index("interleaved-1f1b") == sc, np.maximum(-(-m // pp) * pp, pp), m)
+    walk_m = np.zeros_like(m)
+    for s_ in range(len(SCHEDULES)):
+        cap = np.array([0] + [steady_cap(SCHEDULES[s_], p_)[0] for p_ in range(1, int(pp.max()) + 1)])
+        walk_m = np.where(sc == s_, np.minimum(m, cap[pp]), walk_m)
+    first_of, inv = distinct_rows(pp, vpp, sc, walk_m)
+    uniq = np.stack([pp, vpp, sc, walk_m], axis=1)[first_of]
+    out = {k: np.zeros(N) for k in ("batch", "comp", "colls", "bubble", "crit")}
+    exact = np.zeros(N, dtype=bool)
+
+    def group(gi, idx, walk_it: bool):
+        """The candidates idx of structure gi: walked, or their lower bound (bound_time)."""
+        idx = Index.of(idx)
+        p_, v_, s_, _ = (int(x) for x in uniq[gi])
+        V = p_ * v_
+        q, r = divmod(L, V)
+        # each virtual stage is one of at most four (kind, blocks): evaluate those, then index them per stage
+        shapes, which = {}, np.empty(V, dtype=np.int64)
+        for v in range(V):
+            key = ("first" if v == 0 else ("last" if v == V - 1 else "middle"), max(q + (v < r), 1))
+            which[v] = shapes.setdefault(key, len(shapes))
+        per_shape = [stage(kind, n, idx) for kind, n in shapes]
+        fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
+        bwd_t = np.stack([b[0] for _, b in per_shape])[which]
+        comp_s = np.stack([f[1] + b[1] for f, b in per_shape])[which]
+        coll_s = np.stack([f[2] + b[2] for f, b in per_shape])[which]
+        seconds = np.concatenate([fwd_t, bwd_t])
+        mm = m[idx].astype(np.float64)
+
+        def per_rank(x):  # [V, n] -> [pp, n]: a rank's virtual stages v, v + pp, ...
+            return x.reshape(v_, p_, -1).sum(axis=0)
+
+        per_rank_work = per_rank(fwd_t + bwd_t)
+        if walk_it:
+            send = np.stack([sends[idx], sends[idx]])
+            ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
+        else:
+            ends = bound_time(fwd_t[:p_], bwd_t[:p_], sends[idx], mm * per_rank_work)
+        kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
+        finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
+                                                                                        for k in kinds]]
+        rk = np.argmax(finish, axis=0)
+        col = np.arange(len(idx))
+        per_rank_comp = per_rank(comp_s)
+        per_rank_coll = per_rank(coll_s)
+        kind_idx = np.array([list(KINDS).index(k) for k in kinds])[rk]
+        dp_c = np.choose(kind_idx, [after[k][0][idx] for k in KINDS])
+        opt_c = np.choose(kind_idx, [after[k][1][idx] for k in KINDS])
+        out["batch"][idx] = finish[rk, col]
+        out["crit"][idx] = rk
+        out["bubble"][idx] = np.maximum(ends[rk, col] - mm * per_rank_work[rk, col], 0.0)
+        out["comp"][idx] = mm * per_rank_comp[rk, col] + opt_c
+        out["colls"][idx] = mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
+        exact[idx] = walk_it
+
+    groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
+    overhead = profile.corrections.step_overhead_s
+    if walk is None:
+        for gi, idx in enumerate(groups):
+            group(gi, idx, True)
+    else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
+        for gi, idx in enumerate(groups):
+            group(gi, idx, False)
+        todo = walk.first(out["batch"] + overhead)
+        for round_ in range(2):
+            for gi, idx in enumerate(groups):
+                sel = idx[todo[idx] & ~exact[idx]]
+                if len(sel):
+                    group(gi, sel, True)
+            if round_ == 0:
+                todo = walk.then(out["batch"] + overhead, exact)
+    batch = out["batch"] + overhead
+    comp, colls, bubble = out["comp"], out["colls"], out["bubble"]
+    exposed = np.maximum(batch - comp - bubble - overhead, 0.0)
+    stage_seconds = {k: v[0] for k, v in parts.items()}
+    return PipelineTime(*(x.reshape(shape) for x in (batch, comp, colls, exposed, bubble)),
+                        out["crit"].reshape(shape).astype(np.int64), stage_seconds, exact.reshape(shape))
+
+
+def bound_time(first_fwd, first_bwd, send, work) -> np.ndarray:
+    """[pp, n]: a lower bound of each pipeline rank's end (rank_end_times) from paths of the walk's order: rank
+    r starts once the first micro-batch's forward has crossed the ranks before it (their first virtual stages,
+    first_fwd[:r], and a transfer each) and then does all its work (work[r]); the first rank's last backward
+    also waits for rank r's last one to come back through them (first_bwd[:r]). Exact for identical stages
+    without transfers: (m + pp - 1)(F + B), the textbook bubble."""
+    pre_f = np.cumsum(np.concatenate([np.zeros((1,) + np.shape(send)), first_fwd[:-1] + send]), axis=0)
+    pre_b = np.cumsum(np.concatenate([np.zeros((1,) + np.shape(send)), first_bwd[:-1] + send]), axis=0)
+    ends = pre_f + work
+    ends[0] = np.max(ends + pre_b, axis=0)
+    return ends

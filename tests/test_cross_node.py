@@ -1,0 +1,158 @@
+"""Collectives across nodes by NCCL's protocol model (issue 24): protocol and algorithm choice by size,
+NIC sharing among groups that leave a node at once, point-to-point sends. Every expected number is
+worked by hand from the test profile's fields below."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from axoplan.errors import UserError
+from axoplan.planner import comm as C
+from axoplan.planner.machine import load_profile, profile_from_dict
+from axoplan.planner.space import Candidates
+from tests.conftest import profile_dict
+
+US = 1e-6
+GB = 1e9
+
+# 4 GPUs per node, one ring leaving a node 80 GB/s (conftest); LL capped at 20 GB/s on 2 nodes, 10 on more
+PROTOCOLS = {
+    "source": "test", "channels": 4, "ring_plateau": 1.5, "two_node_tree_factor": 2.0, "ll_max_busbw_gbs": [20, 10],
+    "ring": [{"protocol": "LL", "base_us": 6, "intra_us": 1, "net_us": 3, "bw_factor": 0.5},
+             {"protocol": "Simple", "base_us": 8, "intra_us": 4, "net_us": 10, "bw_factor": 1.0}],
+    "tree": [{"protocol": "Simple", "base_us": 8, "intra_us": 4, "net_us": 10, "bw_factor": 1.0}],
+}
+
+
+def prof(protocols=PROTOCOLS):
+    d = profile_dict()
+    if protocols is not None:
+        d["network"]["protocols"] = protocols
+    return profile_from_dict(d, "test profile")
+
+
+def across(p, kind, nbytes, size, stride=1):
+    size, stride = np.array([size]), np.array([stride])
+    m, n = C.group_nodes(p, size, stride)
+    return float(C.protocol_seconds(p, kind, nbytes, size, m, n, p.group_busbw(size, stride))[0])
+
+
+def test_small_messages_take_ll_large_ones_simple():
+    """All-gather over 8 GPUs on 2 nodes: 7 steps, 1 across. LL: 6 + 6 x 1 + 3 = 15 us at min(0.5 x 80, 20)
+    = 20 GB/s; Simple: 8 + 6 x 4 + 10 = 42 us at 80 GB/s. Ring volume 7/8 of the buffer."""
+    p = prof()
+    assert across(p, "all_gather", 8e5, 8) == pytest.approx((15 + 7e5 / 20e9 / US) * US)  # LL: 50 us
+    assert across(p, "all_gather", 8e6, 8) == pytest.approx((42 + 7e6 / 80e9 / US) * US)  # Simple: 129.5 us
+
+
+def test_all_reduce_takes_the_tree_with_its_correction():
+    """All-reduce over 8 GPUs on 2 nodes. Ring Simple: (8 + 12 x 4 + 2 x 10) x 1.5 = 114 us at 80 GB/s over
+    14/8 of the buffer; tree Simple: 8 + 2 x (3 x 4 + 1 x 10) = 52 us, over half of 2 x 80 GB/s (2 nodes),
+    slowed to 0.8 at 64 MiB (NCCL's treeCorrectionFactor[Simple][20]), 1.0 beyond 256 MiB."""
+    p = prof()
+    nb = 2.0**26
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / (0.5 * 160e9 * 0.8) / US) * US)
+    nb = 2.0**32
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / 80e9 / US) * US)
+    # without a tree the ring: 114 us + 14/8 x 2^32 / 80 GB/s
+    no_tree = prof(dict(PROTOCOLS, tree=[]))
+    assert across(no_tree, "all_reduce", nb, 8) == pytest.approx((114 + 1.75 * nb / 80e9 / US) * US)
+
+
+def test_groups_leaving_a_node_at_once_share_its_nics():
+    """AxoNN's table (80, 40, 20 GB/s as 1, 2, 4 rings leave a node): all-gathers over 8 GPUs at stride 1,
+    2 and 4 on 4-GPU nodes; at 800 MB the bandwidth term dominates and the times go 1 : 2 : 4 less the
+    latency: Simple 8 + 6 x 4 + 10, 8 + 4 x 4 + 3 x 10, 8 + 7 x 10 us."""
+    p = prof()
+    nb = 8e8
+    t = [across(p, "all_gather", nb, 8, s) for s in (1, 2, 4)]
+    assert t == pytest.approx([(lat + 7e8 / bw / US) * US for lat, bw in ((42, 80e9), (54, 40e9), (78, 20e9))])
+
+
+def test_place_uses_the_protocol_model_only_across_nodes():
+    p = prof()
+    flat = prof(None)
+
+    def one(q, gx, gd, nbytes):
+        c = Candidates(*(np.array([v]) for v in (gx, 1, 1, gd, 0, 1)), np.array([False]))
+        return float(C._coll(q, C.place(q, c), "t", "fwd", "all_gather", "x", nbytes).seconds[0])
+
+    # X of 4 inside a node: the same time with and without network.protocols
+    assert one(p, 4, 2, 8e6) == one(flat, 4, 2, 8e6)
+    # X of 8 across 2 nodes: the protocol model's Simple ring
+    assert one(p, 8, 1, 8e6) == pytest.approx(across(p, "all_gather", 8e6, 8))
+    assert one(p, 8, 1, 8e6) != pytest.approx(one(flat, 8, 1, 8e6))
+
+
+def test_p2p_inside_and_across_nodes():
+    """Inside: 9 us (intra latency, per-step model) + bytes at the 2-GPU group's 76 GB/s. Across, alone:
+    Simple 8 + 10 us at 80 GB/s or LL 6 + 3 us at min(40, 20); four pairs leaving at once share 80 GB/s."""
+    p = prof()
+    nb = 1e6
+    t = C.p2p_seconds(p, np.array([nb, nb, nb]), np.array([False, True, True]), np.array([1, 1, 4]))
+    assert t == pytest.approx([(9 + 1e6 / 76e9 / US) * US, (18 + 1e6 / 80e9 / US) * US, (18 + 1e6 / 20e9 / US) * US])
+    # a small message takes LL: 9 us + 1 kB / 20 GB/s
+    assert C.p2p_seconds(p, 1e3, True) == pytest.approx((9 + 1e3 / 20e9 / US) * US)
+    # without network.protocols: the profile's inter-node latency and bandwidth
+    assert C.p2p_seconds(prof(None), nb, True) == pytest.approx((9 + 1e6 / 80e9 / US) * US)
+
+
+def test_protocol_fields_are_checked():
+    with pytest.raises(UserError, match="network.protocols.rings"):
+        prof(dict(PROTOCOLS, rings=[]))
+    with pytest.raises(UserError, match=r"ring\[0\].protocol"):
+        prof(dict(PROTOCOLS, ring=[dict(PROTOCOLS["ring"][0], protocol="LL64")]))
+    with pytest.raises(UserError, match="bw_factor"):
+        prof(dict(PROTOCOLS, ring=[dict(PROTOCOLS["ring"][0], bw_factor=1.5)]))
+    with pytest.raises(UserError, match="source"):
+        prof({k: v for k, v in PROTOCOLS.items() if k != "source"})
+    with pytest.raises(UserError, match="ll_max_busbw_gbs"):
+        prof(dict(PROTOCOLS, ll_max_busbw_gbs=[20]))
+
+
+def test_bundled_dgx_a100_across_two_and_sixty_four_nodes():
+    """dgx-a100: 1 GB all-reduced over 2 nodes is bandwidth-bound near the 192 GB/s plateau; 1 MB over 64 nodes
+    pays latency (LL on a ring or a tree), far below it."""
+    p = load_profile("dgx-a100")
+    assert p.physics.protocols is not None
+    busbw = 2 * 15 / 16 * 1e9 / across(p, "all_reduce", 1e9, 16) / GB
+    assert 150 < busbw <= 192 * 1.001
+    small = 2 * 511 / 512 * 1e6 / across(p, "all_reduce", 1e6, 512) / GB
+    assert small < 30
+
+
+def test_bundled_dgx_protocol_rows_are_nccls_defaults():
+    """The DGX profiles serialise gpu_physics.nccl_protocols (the one definition, which calibration also
+    writes): same rows for their GPU generation and host CPU, plus their measured latency_scale."""
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    for name, cap, cpu in (("dgx-a100", 80, "amd"), ("dgx-h100", 90, "intel"), ("dgx-h200", 90, "intel")):
+        want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}}, _Reader("t")).protocols
+        got = load_profile(name).physics.protocols
+        assert got.ring == want.ring and got.tree == want.tree and got.ll_max == want.ll_max
+        assert got.latency_scale == 2.0 and want.latency_scale == 1.0
+
+
+def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
+    p, q = prof(), prof(dict(PROTOCOLS, latency_scale=2.0))
+    # 8 kB all-gather over 8 GPUs on 2 nodes: LL, 15 us + 7 kB / 20 GB/s; twice the latency with the scale
+    assert across(q, "all_gather", 8e3, 8) == pytest.approx((30 + 7e3 / 20e9 / US) * US)
+    assert across(p, "all_gather", 8e3, 8) == pytest.approx((15 + 7e3 / 20e9 / US) * US)
+
+
+def test_every_published_sweep_row_names_a_described_machine():
+    """benchmarks/collective_fidelity.py: each row of the sweeps in benchmarks/data has its machine's NIC
+    figure and network (else the benchmark could not predict it), and each file carries its source."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "collective_fidelity.py"
+    spec = importlib.util.spec_from_file_location("collective_fidelity", path)
+    cf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cf)
+    rows = cf.load_rows()
+    assert {r["machine"] for r in rows} <= set(cf.MACHINES) == set(cf.NETWORK)
+    assert len(cf.judged(rows)) > 150
+    for f in {r["file"] for r in rows}:
+        assert (cf.DATA / f).read_text().startswith("# ")

@@ -1,0 +1,227 @@
+"""The pipeline axis: stage layout, torch's schedule orders, the walk (textbook bubble, steady-state
+continuation), the space and its rules, per-stage memory, and the CLI's pipeline errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axoplan
+from axoplan.errors import UserError
+from axoplan.planner import pipeline as P
+from axoplan.planner.rank import explain
+from axoplan.planner.space import enumerate_space, factorizations4, pipeline_choices
+from axoplan.planner.stage_timing import bound_time, rank_blocks
+
+
+def test_blocks_split_evenly_the_first_stages_take_the_extra():
+    assert P.stage_blocks(10, 4).tolist() == [3, 3, 2, 2]
+    assert P.stage_blocks(32, 4).tolist() == [8, 8, 8, 8]
+    assert P.stage_blocks(10, 2, 2).tolist() == [3, 3, 2, 2]  # virtual stages 0..3, rank v mod 2
+    # the last stage (the LM head's) never takes an extra block
+    for L in range(2, 40):
+        for V in range(1, L + 1):
+            b = P.stage_blocks(L, V)
+            assert b.sum() == L and b.max() - b.min() <= 1 and b[-1] == b.min()
+    # a rank's blocks: its virtual stages', by hand for L=10, pp=2, vpp=2: rank 0 holds stages 0 and 2 (3 + 2)
+    assert rank_blocks(10, 2, 2, 0) == 5 and rank_blocks(10, 2, 2, 1) == 5
+    assert rank_blocks(11, 2, 2, 0) == 6 and rank_blocks(11, 2, 2, 1) == 5
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,m", [("1f1b", 4, 1, 4), ("1f1b", 3, 1, 7), ("1f1b", 4, 1, 2),
+                                                ("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 4, 3, 8),
+                                                ("interleaved-1f1b", 3, 2, 3)])
+def test_every_rank_runs_each_of_its_chunks_once_forward_before_backward(schedule, pp, vpp, m):
+    orders = P.rank_orders(schedule, pp, vpp, m)
+    V = pp * vpp
+    for s, ops in enumerate(orders):
+        mine = {v for v in range(V) if v % pp == s}
+        assert sorted(ops) == sorted((k, v, i) for k in "FB" for v in mine for i in range(m))
+        for v in mine:
+            for i in range(m):
+                assert ops.index(("F", v, i)) < ops.index(("B", v, i))
+    if schedule == "1f1b":  # torch's Schedule1F1B: min(m, pp - s) forwards before the first backward
+        for s, ops in enumerate(orders):
+            first_b = next(k for k, op in enumerate(ops) if op[0] == "B")
+            assert first_b == min(m, pp - s)
+
+
+def _uniform(V, F, B):
+    return np.concatenate([np.full((V, 1), F), np.full((V, 1), B)])
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 7), (4, 4), (4, 16), (8, 8), (8, 33)])
+def test_textbook_bubble_falls_out_of_the_1f1b_walk(pp, m):
+    F, B = 1.0, 2.0
+    end = P.rank_end_times("1f1b", pp, 1, m, _uniform(pp, F, B), np.zeros((2, 1)))
+    assert end.max() == pytest.approx(m * (F + B) * (1 + (pp - 1) / m), rel=1e-12)
+    assert end[0, 0] == end.max()  # the first stage ends last: its backward is the step's last
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 2), (2, 3, 8), (4, 2, 4), (4, 4, 16), (8, 2, 8), (8, 3, 24)])
+def test_textbook_bubble_falls_out_of_the_interleaved_walk(pp, vpp, m):
+    F, B = 1.0 / vpp, 2.0 / vpp  # a stage's model chunk is split in vpp
+    end = P.rank_end_times("interleaved-1f1b", pp, vpp, m, _uniform(pp * vpp, F, B), np.zeros((2, 1)))
+    assert end.max() == pytest.approx(3.0 * m * (1 + (pp - 1) / (m * vpp)), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.integers(2, 8), rounds=st.integers(6, 20), edge=st.floats(1.0, 1.6), send=st.floats(0.0, 0.3),
+       inter=st.booleans())
+def test_the_steady_state_continuation_equals_the_full_walk(pp, rounds, edge, send, inter):
+    """Stages as the planner makes them (identical middles, the first and last heavier), transfers between them:
+    continuing the walk's last increments past steady_cap is the walk itself."""
+    vpp = 2 if inter else 1
+    sched = "interleaved-1f1b" if inter else "1f1b"
+    V = pp * vpp
+    m = rounds * pp
+    F = np.full(V, 1.0)
+    F[0], F[-1] = edge * 0.5 + 0.5, edge
+    sec = np.concatenate([F, 2 * F])[:, None]
+    sends = np.full((2, 1), send)
+    full = P._walk(P.walk_plan(sched, pp, vpp, m), sec, np.concatenate([np.zeros((1, 1)), sends]))
+    cap, period = P.steady_cap(sched, pp)
+    # exact up to the cap; past it the mean increment of a period: within the spread of one period's increments
+    spread = period * 2 * send + 1e-9 * full.max()
+    assert np.all(np.abs(P.rank_end_times(sched, pp, vpp, m, sec, sends) - full) <= (spread if m > cap else 1e-9 * full.max()))
+
+
+def test_transfers_sit_on_the_paths_between_stages():
+    sec = _uniform(4, 1.0, 2.0)
+
+    def delay(m):
+        return (P.rank_end_times("1f1b", 4, 1, m, sec, np.full((2, 1), 0.5)).max()
+                - P.rank_end_times("1f1b", 4, 1, m, sec, np.zeros((2, 1))).max())
+
+    # one micro-batch: down the pipeline and back, one transfer per boundary each way (by hand: 2 x 3 x 0.5)
+    assert delay(1) == pytest.approx(3.0)
+    # in the steady state a stage's backward waits for the next stage's gradient: the delay grows with m
+    assert delay(1) < delay(4) < delay(8) < delay(16)
+
+
+def test_in_flight_forwards_at_the_peak():
+    assert [sum(r) for r in P.peak_in_flight("1f1b", 4, 1, 8)] == [4, 3, 2, 1]
+    assert [sum(r) for r in P.peak_in_flight("1f1b", 4, 1, 2)] == [2, 2, 2, 1]
+    # interleaved, rank s: (vpp - 1) * pp + 2 * (pp - 1 - s) warm-up forwards, then one more before the backward
+    assert [sum(r) for r in P.peak_in_flight("interleaved-1f1b", 2, 2, 4)] == [5, 3]
+
+
+def test_space_adds_pipelines_and_keeps_the_4d_space_for_pp_1():
+    choices = pipeline_choices(16, 8, "all")
+    assert {p for p, _, _ in choices} == {1, 2, 4, 8}
+    assert (2, 2, 1) in choices and (2, 4, 1) in choices and (8, 1, 0) in choices and (8, 2, 1) not in choices
+    c = enumerate_space(16, 32, pipelines=choices)
+    one = enumerate_space(16, 32)
+    assert int((c.pp == 1).sum()) == len(one)
+    for p in (2, 4, 8):
+        sel = (c.pp == p) & (c.schedule == 0)
+        assert np.all(c.gx[sel] * c.gy[sel] * c.gz[sel] * c.gdata[sel] * p == 16)
+        assert len({tuple(g) for g in np.stack([c.gx[sel], c.gy[sel], c.gz[sel], c.gdata[sel]], 1)}) == \
+            len(factorizations4(16 // p))
+    assert np.all(c.checkpointing[: len(c) // 2] == 0) and np.all(c.checkpointing[len(c) // 2:])
+
+
+def test_pipeline_rules_are_reasons():
+    model = axoplan.planner.specs.load_model("gpt-20b")  # 32 blocks
+    df = axoplan.rank(model, "dgx-a100", 64, 16, pp=8, execution="megatron-core", include_infeasible=True,
+                      checkpointing="on")
+    n = df.gdata * df.gz * df.micro_batch
+    few = df[(df.pp == 8) & (df.schedule == "1f1b") & (n > 2) & (16 % n == 0)]
+    assert len(few) and (~few.feasible).all()
+    assert few.reason.str.contains("1f1b over pp=8 stages needs at least 8 micro-batches").all()
+    inter = df[(df.schedule == "interleaved-1f1b") & (16 % n == 0) & (16 // n % 8 != 0)]
+    assert len(inter) and inter.reason.str.contains("needs a multiple of 8 micro-batches").all()
+
+
+def test_a_pipelined_batch_splits_into_compute_exposed_communication_and_bubble():
+    df = axoplan.rank("gpt-20b", "dgx-a100", 64, 256, pp=4, execution="megatron-core", top=20)
+    assert (df.pp == 4).all() and (df.bubble_s > 0).all()
+    p = axoplan.planner.machine.load_profile("dgx-a100")
+    total = df.compute_s + df.exposed_comm_s + df.bubble_s + p.corrections.step_overhead_s
+    assert np.allclose(total, df.batch_time_s, rtol=1e-9)
+
+
+def test_first_stage_memory_holds_its_forwards_in_flight():
+    """1F1B's first stage saves pp micro-batches of its L/pp blocks when its first backward starts (L blocks
+    whatever pp); interleaved, (vpp - 1) pp + 2 (pp - 1) + 1 chunks of L/(pp vpp) blocks (Narayanan et al.)."""
+    kw = dict(grid=(1, 8, 1, 1), micro_batch=1, checkpointing=True, execution="megatron-core")
+    mem = {}
+    for key, gpus, pp, vpp in (("1f1b 4", 32, 4, None), ("1f1b 2", 16, 2, None), ("int 4x2", 32, 4, 2)):
+        e = explain("gpt-20b", "dgx-a100", gpus, 8, pp=pp, vpp=vpp, **kw)
+        mem[key] = float(e.memory.set_index("kind").loc["activations", "gib"])
+        assert e.notes[0].startswith("memory peaks at: first pipeline stage: backward last block")
+    # a checkpointed block keeps its [S, H] input per micro-batch (sequence parallel: split over gy = 8), bf16
+    per_block = 2048 * 7168 * 2 / 8 / 2**30
+    assert mem["1f1b 4"] == pytest.approx(mem["1f1b 2"], rel=1e-9)
+    # interleaved 4 x 2: 11 chunks of 4 blocks = 44 blocks' inputs against 1F1B's 32
+    assert mem["int 4x2"] - mem["1f1b 4"] == pytest.approx((11 * 4 - 32) * per_block, rel=1e-6)
+
+
+def test_pp_1_is_the_4d_model_bit_for_bit():
+    a = axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30)
+    b = axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30, pp=1)
+    assert a.equals(b)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--pp", "3"], "--pp 3 does not divide --gpus 64"),
+    (["--pp", "4", "--vpp", "2", "--schedule", "1f1b"], "needs --schedule interleaved-1f1b"),
+    (["--pp", "64"], "more pipeline stages than the model's 32 blocks"),
+    (["--pp", "4", "--execution", "axoplan"], "execution 'axoplan' runs no pipeline"),
+    (["--pp", "two"], "--pp"),
+])
+def test_rank_pipeline_mistakes_are_one_sentence(args, msg):
+    p = subprocess.run([sys.executable, "-m", "axoplan.cli", "rank", "--model", "gpt-20b", "--machine", "dgx-a100",
+                        "--gpus", "64", "--global-batch", "64", "--execution", "megatron-core", *args],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1
+
+
+def test_explain_refuses_too_few_micro_batches():
+    with pytest.raises(UserError, match="needs at least 8 micro-batches"):
+        explain("gpt-20b", "dgx-a100", 64, 4, grid=(1, 8, 1, 1), pp=8, micro_batch=1, execution="megatron-core")
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(2, 6), vpp=st.integers(1, 3), rounds=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_the_bound_never_exceeds_the_walk(pp, vpp, rounds, seed):
+    rng = np.random.default_rng(seed)
+    sched = "1f1b" if vpp == 1 else "interleaved-1f1b"
+    V, m = pp * vpp, rounds * pp
+    sec = rng.uniform(0.2, 2.0, (2 * V, 3))
+    send = rng.uniform(0.0, 0.3, (1, 3))
+    walk = P.rank_end_times(sched, pp, vpp, m, sec, np.repeat(send, 2, axis=0))
+    work = m * (sec[:V] + sec[V:]).reshape(vpp, pp, -1).sum(axis=0)
+    bound = bound_time(sec[:pp], sec[V:V + pp], send[0], work)
+    assert np.all(bound <= walk * (1 + 1e-12))
+
+
+def test_the_bound_is_the_walk_for_identical_stages():
+    sec = _uniform(4, 1.0, 2.0)
+    work = 8 * (sec[:4] + sec[4:])
+    assert bound_time(sec[:4], sec[4:], np.zeros(1), work).max() == pytest.approx(
+        P.rank_end_times("1f1b", 4, 1, 8, sec, np.zeros((2, 1))).max())
+
+
+def test_ranking_walks_every_candidate_that_can_be_among_the_best():
+    """rank's top rows, walked only where their bound can be among them, are those of walking every candidate."""
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.specs import Job, load_model
+    from axoplan.planner.execution import PRESETS
+
+    model, prof = load_model("gpt-20b"), load_profile("dgx-a100")
+    job = Job(64, 512, model.seq_len)
+    c = enumerate_space(64, 512, pipelines=pipeline_choices(64, model.n_layers, "all"))
+    full = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"])
+    some = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"], top=10)
+    assert full.exact.all() and not some.exact.all()
+    best = lambda ev: np.argsort(np.where(ev.feasible, ev.batch_time, np.inf), kind="stable")[:10]  # noqa: E731
+    assert np.array_equal(best(full), best(some))
+    assert np.allclose(full.batch_time[some.exact], some.batch_time[some.exact], rtol=1e-12)
+    assert np.all(some.batch_time[~some.exact] <= full.batch_time[~some.exact] * (1 + 1e-12))
