@@ -17,6 +17,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data" / "time_uncertainty.json"
 FAMILIES = {"megatron-core": "megatron", "megatron-lm": "megatron", "megatron-axonn": "megatron",
+            "megatron-deepspeed": "megatron",
             "llm-foundry": "fsdp", "llm-foundry-shard-grad-op": "fsdp", "torchtitan": "fsdp"}
 SCALES = ((64, "<=64"), (512, "65-512"))
 
@@ -65,7 +66,9 @@ def expected_error(profile, execution_name: str, gpus: int) -> Uncertainty:
                                                      "the trainer's steps")
     cells, doc = _regimes()
     fam, sc = family(execution_name), scale(gpus)
-    at = "" if any(k[1] == sc for k in cells) else f"; none published on {sc} GPUs"
+    own = cells.get((fam, sc))
+    at = (f"; {sc} GPUs: {len(own['datasets'])} dataset, too few to leave one out" if own
+          else f"; none published on {sc} GPUs")
     for key, what in (((fam, sc), f"{fam} executions on {sc} GPUs"), ((fam, "all"), f"{fam} executions{at}"),
                       (("all", sc), f"published runs on {sc} GPUs of every framework"),
                       (("all", "all"), f"published runs of every framework{at}")):
