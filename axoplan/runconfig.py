@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,11 @@ from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 from axoplan.yamlio import load_yaml
+
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+# keys of earlier versions: old name -> (new name, the one-line note printed when a config uses it)
+RENAMED = {"warmup_steps": ("timing_warmup_steps", "steps left out of the timing median; the LR warm-up is "
+                                                   "lr_warmup_steps")}
 
 
 @dataclass
@@ -52,9 +59,13 @@ class LaunchConfig:
     global_batch: int = 8  # sequences per optimizer step, over all GPUs
     micro_batch: int = 1  # sequences per GPU per micro-step; grad_acc = global_batch / (gdata*gz*micro_batch)
     seq_len: int | None = None  # None: the model's seq_len
-    steps: int = 10
-    warmup_steps: int = 2  # steps left out of the summary's median
-    lr: float = 3e-4
+    steps: int = 10  # optimizer steps of the whole run (a resumed run continues up to it)
+    timing_warmup_steps: int = 2  # first steps left out of the summary's median time (not the LR warm-up)
+    lr: float = 3e-4  # peak learning rate
+    lr_warmup_steps: int = 0  # linear LR warm-up: lr*(s+1)/(lr_warmup_steps+1) at step s < lr_warmup_steps
+    lr_decay_style: str = "cosine"  # after warm-up: cosine or linear to min_lr, or constant
+    lr_decay_steps: int | None = None  # the step where the decay reaches min_lr (and stays); null: steps
+    min_lr: float = 0.0  # the floor of the decay (Megatron's --min-lr)
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     overlap: Overlap = field(default_factory=Overlap)
@@ -62,7 +73,14 @@ class LaunchConfig:
     goldfish: Goldfish | None = None  # null: standard loss
     data: str = "synthetic"  # 'synthetic' or a path to a text file or a folder of text files
     seed: int = 0
-    metrics: str | None = "metrics.jsonl"  # JSON-lines file (rank 0 writes); null: stdout only
+    out: str = "."  # the run folder: relative metrics, tensorboard, checkpoint_dir and save paths are inside it
+    metrics: str | None = "metrics.jsonl"  # JSON-lines records, appended, one run id per run (rank 0); null: none
+    log_every: int = 1  # a line a person reads on stdout every this many steps (and the last step)
+    tensorboard: str | None = "tensorboard"  # TensorBoard event folder (rank 0); null: none
+    checkpoint_every: int = 0  # a sharded torch.distributed.checkpoint every this many steps; 0: none
+    checkpoint_dir: str = "checkpoints"  # one step_NNNNNNNN folder per checkpoint
+    checkpoint_keep: int = 2  # the newest this many are kept; 0: all
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir (same grid)
     machine: str | None = None  # profile name or path, for % of peak in metrics; null: no %
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or fp32, bf16
     collective_dtype: str = "auto"  # auto: the compute dtype; or fp32, bf16
@@ -89,12 +107,13 @@ class LaunchConfig:
                 bad(f"{name} must be at most {hi:,}, got {inputs._short(v)}")
         if self.grid.size > inputs.MAX_GPUS:
             bad(f"the grid has {self.grid.size:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
-        if (not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0
-                or self.warmup_steps > inputs.MAX_STEPS):
-            bad(f"warmup_steps must be a non-negative integer, got {inputs.show(self.warmup_steps)}")
-        if self.warmup_steps >= self.steps:
-            bad(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps}): the summary's "
-                f"median is taken over the steps after warm-up")
+        for name in ("timing_warmup_steps", "lr_warmup_steps", "checkpoint_every", "checkpoint_keep", "log_every"):
+            v, lo = getattr(self, name), 1 if name == "log_every" else 0
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= inputs.MAX_STEPS:
+                bad(f"{name} must be {'a positive' if lo else 'a non-negative'} integer, got {inputs.show(v)}")
+        if self.timing_warmup_steps >= self.steps:
+            bad(f"timing_warmup_steps ({self.timing_warmup_steps}) must be smaller than steps ({self.steps}): the "
+                f"summary's median is taken over the steps after it")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
                                          or not 0 < self.seq_len <= inputs.MAX_SEQ_LEN):
             bad(f"seq_len must be a positive integer (at most {inputs.MAX_SEQ_LEN:,}) or null, got {inputs.show(self.seq_len)}")
@@ -130,6 +149,18 @@ class LaunchConfig:
             bad(f"lr must be at most {inputs.MAX_LR:g} (AdamW moves every weight by about lr per step), got {self.lr:g}")
         num("weight_decay", self.weight_decay, False)
         num("grad_clip", self.grad_clip, False)  # 0 turns clipping off
+        num("min_lr", self.min_lr, False)
+        if self.min_lr > self.lr:
+            bad(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g})")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            bad(f"lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, got {inputs.show(self.lr_decay_style)}")
+        d = self.lr_decay_steps
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= inputs.MAX_STEPS):
+            bad(f"lr_decay_steps must be a positive integer or null, got {inputs.show(d)}")
+        if d is not None and d <= self.lr_warmup_steps and self.lr_decay_style != "constant":
+            bad(f"lr_decay_steps ({d}) must be larger than lr_warmup_steps ({self.lr_warmup_steps})")
+        if not isinstance(self.resume, bool):
+            bad(f"resume must be true or false, got {inputs.show(self.resume)}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= inputs.MAX_SEED:
             bad(f"seed must be an integer from 0 to {inputs.MAX_SEED}, got {inputs.show(self.seed)}")
         for name in ("all_reduce", "reduce_scatter", "all_gather", "data_parallel"):
@@ -141,7 +172,7 @@ class LaunchConfig:
     def _validate_text(self, bad, where: str) -> None:
         """Names and paths: text without control characters (they reach scripts and one-line records)."""
         for name, optional in (("model", False), ("data", False), ("metrics", True), ("machine", True),
-                               ("save", True)):
+                               ("save", True), ("out", False), ("tensorboard", True), ("checkpoint_dir", False)):
             v = getattr(self, name)
             if v is None and optional:
                 continue
@@ -150,8 +181,14 @@ class LaunchConfig:
             inputs.text(v, f"{where}: {name}")
         for name in ("metrics", "save"):
             v = getattr(self, name)
-            if v is not None and (v.endswith("/") or Path(v).is_dir()):
+            if v is not None and (v.endswith("/") or Path(self.path(v)).is_dir()):
                 bad(f"{name} '{v}' is a folder; give a file name")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            bad(f"out '{self.out}' is a file; give a folder for the run")
+
+    def path(self, p: str | None) -> str | None:
+        """A path of the config as the trainer uses it: relative ones are inside the run folder `out`."""
+        return None if p is None else str(Path(self.out) / p)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +209,8 @@ def _build(cls, d: Any, where: str, prefix: str = ""):
     if not isinstance(d, dict):
         raise UserError(f"{where}: '{prefix.rstrip('.') or 'top level'}' must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
+    if cls is LaunchConfig:
+        d = _renamed(d, where)
     unknown = sorted(str(k) for k in set(d) - names)
     if unknown:
         raise UserError(f"{where}: unknown key '{prefix}{unknown[0]}' (known: {', '.join(sorted(names))})")
@@ -184,6 +223,20 @@ def _build(cls, d: Any, where: str, prefix: str = ""):
     return cls(**kw)
 
 
+def _renamed(d: dict, where: str) -> dict:
+    """A config written with an old key name reads as the new one, with a note on stderr (rank 0 only)."""
+    d = dict(d)
+    for old, (new, what) in RENAMED.items():
+        if old not in d:
+            continue
+        if new in d:
+            raise UserError(f"{where}: give {new} only ('{old}' is its old name)")
+        d[new] = d.pop(old)
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"note: {where}: key '{old}' is now '{new}' ({what}); read as {new}", file=sys.stderr)
+    return d
+
+
 def config_from_dict(d: Any, where: str = "config") -> LaunchConfig:
     return _build(LaunchConfig, d, where).validate(where)
 
@@ -192,7 +245,14 @@ def load_config(path: str | Path) -> LaunchConfig:
     p = Path(inputs.text(str(path), "--config"))
     where = f"config '{p}'"
     d = load_yaml(p, where)
-    return config_from_dict(d if d is not None else {}, where)
+    cfg = config_from_dict(d if d is not None else {}, where)
+    # a run folder names its copies of the model and profile relatively (emit): they are read from the
+    # config's own folder, wherever it was moved and whichever folder the trainer starts in
+    for name in ("model", "machine"):
+        v = getattr(cfg, name)
+        if v and v.endswith((".yaml", ".yml")) and not Path(v).is_absolute() and (p.parent / v).is_file():
+            setattr(cfg, name, str((p.parent / v).resolve()))
+    return cfg
 
 
 def example_config_yaml(cfg: LaunchConfig | None = None, note: str = "") -> str:

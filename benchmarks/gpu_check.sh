@@ -4,6 +4,8 @@
 #   2. the bundled trainer on a 1B-class GPT: model TFLOP/s, % of peak, peak memory (max_memory_allocated)
 #   3. that peak against the planner's prediction and against `axoplan dryrun` (the same step, traced)
 #   4. axoplan validate over every configuration one GPU allows (micro-batch x checkpointing)
+#   5. the emitted AxoNN entry point (emit --framework axonn) run for real on this GPU with axonn 0.2.0
+#      (pip install -e '.[frameworks]'; skipped, saying so, without it), read back by validate --collect
 # Everything lands in one folder; summary.json holds the numbers, *.log what each part printed.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        (env: MODEL=gpt-1b PROFILE=dgx-h200 BATCH=8 PYTHON=python3)
@@ -50,7 +52,7 @@ import sys
 import yaml
 path, metrics = sys.argv[1], sys.argv[2]
 cfg = yaml.safe_load(open(path))
-cfg.update(steps=8, warmup_steps=3, metrics=metrics)
+cfg.update(steps=8, timing_warmup_steps=3, metrics=metrics, tensorboard=None)
 open(path, "w").write(yaml.safe_dump(cfg, sort_keys=False))
 EOF
     part train 180 "${AX[@]}" train --config "$OUT/run/config.yaml"
@@ -77,6 +79,16 @@ for mb in 1 2 4 8 16; do
             --timeout 100 --out "$OUT/validate/mb$mb-$ck"
     done
 done
+
+# 5. AxoNN's own code on the planned grid: axonn.init, its Linear layers, optimize_communication
+if "$PY" -c "import axonn" 2>/dev/null; then
+    part axonn-emit 60 "${AX[@]}" emit --model "$MODEL" --machine "$PROFILE" --gpus 1 --global-batch "$BATCH" \
+        --framework axonn --steps 6 --out "$OUT/axonn"
+    part axonn-train 300 env NNODES=1 NPROC_PER_NODE=1 PYTHON="$PY" bash "$OUT/axonn/launch_torchrun.sh"
+    part axonn-collect 60 "${AX[@]}" validate --collect "$OUT/axonn"
+else
+    echo "axonn: not installed (pip install -e '.[frameworks]'), its one-GPU run skipped" | tee -a "$OUT/parts.txt"
+fi
 
 "$PY" - "$OUT" <<'EOF' >"$OUT/summary.json"
 import json
@@ -112,6 +124,14 @@ if len(ok) >= 2:
     s["validate"].update(kendall_tau=kendalltau([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])[0],
                          median_pred_over_measured=ratios[len(ratios) // 2],
                          mean_abs_pct_error=100 * sum(abs(x - 1) for x in ratios) / len(ratios))
+ax = out / "axonn" / "results.csv"
+if ax.exists():
+    import csv
+    r = next(csv.DictReader(open(ax)), {})
+    s["axonn"] = {"status": r.get("status"), "error": r.get("error"),
+                  "measured_s": float(r["measured_time_s"]) if r.get("measured_time_s") else None,
+                  "predicted_s": float(r["batch_time_s"]) if r.get("batch_time_s") else None,
+                  "grid": {k: r.get(k) for k in ("gx", "gy", "gz", "gdata")}, "micro_batch": r.get("micro_batch")}
 print(json.dumps(s, indent=1))
 EOF
 cat "$OUT/summary.json"

@@ -151,7 +151,7 @@ def test_torchrun_script_checks_the_process_count(tmp_path, capsys, pm_path):
 
 def test_run_dir_files_are_written_atomically_and_executable(tmp_path, pm):
     row = rank("gpt-tiny", pm, 4, 8, top=1).iloc[0]
-    cfg = config_from_row(row, "gpt-tiny", 8, steps=3, warmup_steps=1)
+    cfg = config_from_row(row, "gpt-tiny", 8, steps=3, timing_warmup_steps=1)
     files = write_run_dir(tmp_path / "d", cfg, pm, row)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(files)  # no temporary left behind
     assert (tmp_path / "d" / "launch_torchrun.sh").stat().st_mode & 0o111

@@ -131,7 +131,7 @@ def test_refit_cli_never_edits_the_old_profile(setup, capsys, monkeypatch):
     assert e.value.code == 2 and "unknown correction" in capsys.readouterr().err
 
 
-def test_refit_keeps_a_relative_gemm_table_valid(tmp_path, write_profile, model_yaml):
+def test_refit_writes_the_profiles_tables_beside_the_new_profile(tmp_path, write_profile, model_yaml):
     rows = ["m,n,k,layout,seconds"]
     for m in (64, 4096):
         for n in (64, 4096):
@@ -147,7 +147,11 @@ def test_refit_keeps_a_relative_gemm_table_valid(tmp_path, write_profile, model_
     out = tmp_path / "sub" / "new.yaml"
     refit(str(res), str(prof), str(out), params=["gemm_scale"])
     assert load_profile(str(out)).gemm_table is not None
-    assert yaml.safe_load(out.read_text())["compute"]["gemm"]["table"]["path"] == "../tab.csv"
+    # a copy beside it, named relatively: the new profile's folder can move without the old one
+    assert yaml.safe_load(out.read_text())["compute"]["gemm"]["table"]["path"] == "new_tab.csv"
+    assert (tmp_path / "sub" / "new_tab.csv").read_text() == (tmp_path / "tab.csv").read_text()
+    (tmp_path / "tab.csv").unlink()
+    assert load_profile(str(out)).gemm_table is not None
 
 
 def test_refit_errors_are_one_sentence(tmp_path, pm_path, capsys):

@@ -82,8 +82,8 @@ def test_emit_refuses_warmup_not_below_steps(tmp_path, capsys):
 
 # ---- train: what it cannot honour ----------------------------------------------------------------------
 @pytest.mark.parametrize("cfg, key", [({"lr": 1e30}, "lr"), ({"lr": 2.0}, "lr"),
-                                      ({"steps": 3, "warmup_steps": 3}, "warmup_steps"),
-                                      ({"steps": 2, "warmup_steps": 5}, "warmup_steps")])
+                                      ({"steps": 3, "timing_warmup_steps": 3}, "timing_warmup_steps"),
+                                      ({"steps": 2, "timing_warmup_steps": 5}, "timing_warmup_steps")])
 def test_train_config_refuses_what_the_trainer_cannot_honour(cfg, key):
     from axoplan.runconfig import config_from_dict
 
@@ -100,7 +100,7 @@ def test_a_torchrun_style_environment_is_checked_like_srun(tmp_path, capsys, mon
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    (tmp_path / "c.yaml").write_text(f"model: gpt-tiny\nmetrics: {tmp_path / 'm.jsonl'}\nsteps: 2\nwarmup_steps: 1\n")
+    (tmp_path / "c.yaml").write_text(f"model: gpt-tiny\nmetrics: {tmp_path / 'm.jsonl'}\nsteps: 2\ntiming_warmup_steps: 1\n")
     code, _, err = run_cli(["train", "--config", str(tmp_path / "c.yaml")], capsys)
     one_sentence(code, err)
     assert "MASTER_" in err
@@ -126,7 +126,7 @@ def test_a_diverged_loss_stops_training_instead_of_writing_nan(tmp_path, monkeyp
     from axoplan.runtime import train as T
 
     metrics = tmp_path / "m.jsonl"
-    cfg = config_from_dict({"model": "gpt-tiny", "steps": 3, "warmup_steps": 1, "global_batch": 2, "micro_batch": 1,
+    cfg = config_from_dict({"model": "gpt-tiny", "steps": 3, "timing_warmup_steps": 1, "global_batch": 2, "micro_batch": 1,
                             "seq_len": 16, "metrics": str(metrics), "backend": "gloo"})
     trainer = T.Trainer.from_config(cfg)
     real = trainer.train_step
@@ -137,7 +137,7 @@ def test_a_diverged_loss_stops_training_instead_of_writing_nan(tmp_path, monkeyp
 
     monkeypatch.setattr(trainer, "train_step", diverging)
     try:
-        with pytest.raises(UserError, match="diverged"):
+        with pytest.raises(UserError, match="loss became nan"):
             trainer.fit()
     finally:
         trainer.close()

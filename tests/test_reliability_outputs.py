@@ -128,7 +128,7 @@ def test_refit_output_under_a_file_is_refused_before_the_fit(tmp_path, capsys):
 def test_train_metrics_that_cannot_be_written_are_refused_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")
-    (tmp_path / "c.yaml").write_text("model: gpt-tiny\nmetrics: afile/m.jsonl\nsteps: 1\nwarmup_steps: 0\n")
+    (tmp_path / "c.yaml").write_text("model: gpt-tiny\nmetrics: afile/m.jsonl\nsteps: 1\ntiming_warmup_steps: 0\n")
     code, _, err = run_cli(["train", "--config", "c.yaml"], capsys)
     one_sentence(code, err)
     assert "metrics" in err
@@ -197,8 +197,11 @@ def test_emit_writes_its_files_under_the_folder_lock(tmp_path, capsys):
         assert list(out.iterdir()) == []
     t.join(60)
     assert finished.is_set()
-    assert sorted(p.name for p in out.iterdir()) == ["README.txt", "config.yaml", "launch_slurm.sbatch",
-                                                     "launch_torchrun.sh"]
+    # the four files, and the profile with its measured tables copied in (the folder can move)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["README.txt", "config.yaml", "launch_slurm.sbatch", "launch_torchrun.sh", "machine.yaml",
+         "machine_localhost-cpu_gemm.csv", "machine_localhost-cpu_attention.csv",
+         "machine_localhost-cpu_collectives.csv"])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file")

@@ -3,6 +3,7 @@ type, never by the folder it is in (/dev/shm is an ordinary file system); a comm
 replaced as one set or not at all; an output that cannot be written is refused before the work."""
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -230,3 +231,50 @@ def test_calibrate_names_the_results_folder_not_a_deleted_temporary_file(tmp_pat
     code, _, err = run_cli(["calibrate", "--out", str(tmp_path / "p.yaml"), "--from-results", str(rd.path)], capsys)
     one_sentence(code, err)
     assert str(rd.path) in err and os.path.dirname(seen[0]) not in err and "memory.capacity_gib" in err
+
+
+@needs_shm
+def test_validate_sweep_files_on_dev_shm_stay_readable(shm, pm_path):
+    from axoplan.loop import validate as V
+
+    sw = V.Sweep(model="gpt-tiny", machine=str(pm_path), gpus=4, global_batch=8, top_k=1, steps=4, warmup_steps=1,
+                 timeout_s=60.0)
+    out = os.path.join(shm, "sweep")
+    summary = "echo '{\"summary\": true, \"median_batch_time_s\": 0.1}'"
+    for i in range(3):
+        V.run_sweep(sw, out, resume=i > 0, echo=lambda s: None, launcher=lambda d, g: (["bash", "-c", summary], {}))
+    assert json.load(open(os.path.join(out, "sweep.json")))["gpus"] == 4
+    assert len(open(os.path.join(out, "plan.csv")).read().splitlines()) == 2
+
+
+def test_validate_scores_and_plot_are_replaced_together(tmp_path, pm_path, monkeypatch):
+    from axoplan.loop import validate as V
+
+    sw = V.Sweep(model="gpt-tiny", machine=str(pm_path), gpus=4, global_batch=8, top_k=1, steps=4, warmup_steps=1,
+                 timeout_s=60.0)
+    out = tmp_path / "sweep"
+    summary = "echo '{\"summary\": true, \"median_batch_time_s\": 0.1}'"
+    V.run_sweep(sw, out, echo=lambda s: None, launcher=lambda d, g: (["bash", "-c", summary], {}))
+    (out / "summary.json").write_text("{\"old\": true}\n")
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(V, "plot_png", broken)
+    with pytest.raises(OSError):
+        V.finish(out, echo=lambda s: None)
+    assert json.loads((out / "summary.json").read_text()) == {"old": True}
+
+
+def test_scale_writes_neither_output_when_its_plot_cannot_be_made(tmp_path, capsys, monkeypatch):
+    from axoplan.cli import scale as S
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(S, "plot_png", broken)
+    out = tmp_path / "s.csv"
+    code, _, err = run_cli(["scale", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "2,4",
+                            "--global-batch", "8", "--format", "csv", "--output", str(out), "--plot",
+                            str(tmp_path / "s.png")], capsys)
+    assert code != 0 and not out.exists()

@@ -44,24 +44,55 @@ def test_print_config_for_n_ranks_is_a_config_those_ranks_run(tmp_path):
     with pytest.raises(Exception, match="print-config --gpus 4' or start 12"):
         check_config(cfg, 4)
     r = _run(CLI + ["--gpus", "4"])
-    assert r.returncode == 2 and r.stderr.startswith("error: --gpus and --model shape the printed example")
+    assert r.returncode == 2 and r.stderr.startswith("error: --gpus shapes the printed example")
 
 
 def test_world_of_one_trains_and_writes_metrics(tmp_path):
-    cfg = {"model": "gpt-tiny", "steps": 4, "warmup_steps": 1, "global_batch": 4, "micro_batch": 2, "seq_len": 32,
-           "lr": 3e-3, "metrics": str(tmp_path / "m.jsonl"), "goldfish": {"k": 4, "h": 13},
-           "save": str(tmp_path / "final.pt")}
+    # the YAML says 9 steps and lr 1e-9; the command line's --steps, --lr, --out and --log-every win
+    cfg = {"model": "gpt-tiny", "steps": 9, "timing_warmup_steps": 1, "global_batch": 4, "micro_batch": 2,
+           "seq_len": 32, "lr": 1e-9, "goldfish": {"k": 4, "h": 13}, "save": "final.pt", "tensorboard": None,
+           "checkpoint_every": 2}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    r = _run(CLI + ["--config", str(tmp_path / "run.yaml")])
+    r = _run(CLI + ["--config", str(tmp_path / "run.yaml"), "--steps", "4", "--lr", "3e-3", "--out",
+                    str(tmp_path / "run"), "--log-every", "2"])
     assert r.returncode == 0, r.stderr
-    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    steps, summary = lines[:-1], lines[-1]
+    out = r.stdout.splitlines()
+    assert [x.split(" |")[0] for x in out if x.startswith("step ")] == ["step 2/4", "step 4/4"]
+    assert out[-2].startswith("done: 4 steps") and json.loads(out[-1])["summary"] is True
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps, summary = [x for x in lines if x["event"] == "step"], lines[-1]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     for s in steps:
         assert s["batch_time_s"] > 0 and s["tokens_per_s"] > 0 and s["peak_memory_gib"] > 0
+    assert steps[0]["lr"] == pytest.approx(3e-3)
     assert summary["summary"] is True and summary["median_batch_time_s"] > 0
     assert summary["final_loss"] < summary["first_loss"]
-    assert (tmp_path / "final.pt").is_file()
+    assert (tmp_path / "run" / "final.pt").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    # --resume continues the same run (its id) from the newest checkpoint, up to the new --steps
+    r = _run(CLI + ["--config", str(tmp_path / "run.yaml"), "--steps", "5", "--lr", "3e-3", "--out",
+                    str(tmp_path / "run"), "--resume"])
+    assert r.returncode == 0, r.stderr
+    assert [x.split(" |")[0] for x in r.stdout.splitlines() if x.startswith("step ")] == ["step 5/5"]
+    more = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][len(lines):]
+    assert [(x["event"], x.get("step")) for x in more] == [("start", None), ("step", 4), ("checkpoint", 5),
+                                                          ("summary", None)]
+    assert more[0]["resumed_from_step"] == 4 and {x["run_id"] for x in more} == {lines[0]["run_id"]}
+    # checkpoint_keep (default 2): the oldest went once the newest was complete
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--grid", "2,1"], "--grid must be four positive integers"),
+    (["--lr", "0"], "--lr must be"),
+    (["--steps", "many"], "--steps must be a whole number"),
+    (["--micro-batch", "3"], "does not divide"),
+])
+def test_bad_overrides_are_one_sentence_exit_2(args, words):
+    r = _run(CLI + args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
 
 
 @pytest.mark.parametrize("cfg, words", [

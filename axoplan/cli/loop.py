@@ -2,6 +2,7 @@
 and back to the profile. No torch here: runs are started as subprocesses."""
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import click
 
 from axoplan import inputs
-from axoplan.cli.plan import bundled_execution, execution_option, parse_grid
+from axoplan.cli.plan import bundled_execution, execution_option, parse_grid, parse_pp, pipeline_options
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 
@@ -37,32 +38,36 @@ def _command_line() -> str:
 
 # ---- emit -------------------------------------------------------------------------------------------
 def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None = None, grid=None, order=None,
-           micro_batch=None, checkpointing="both"):
+           micro_batch=None, checkpointing="both", execution=None, pp="all", vpp=None, schedule="all"):
     """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
     row of one grid (and order). The runner-up is the best row with another grid or order."""
     from axoplan.planner.rank import rank
     from axoplan.loop.validate import distinct_configs
 
     df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-              checkpointing=checkpointing)
+              checkpointing=checkpointing, execution=execution, pp=pp, vpp=vpp, schedule=schedule or "all")
     rows = df.to_dict("records")
     if grid is not None:
         gx, gy, gz, gd = grid
-        if gx * gy * gz * gd != gpus:
-            raise UserError(f"--grid {gx},{gy},{gz},{gd} multiplies to {gx * gy * gz * gd}, not --gpus {gpus}")
+        stages = 1 if pp == "all" else pp
+        if gx * gy * gz * gd * stages != gpus:
+            raise UserError(f"--grid {gx},{gy},{gz},{gd}" + (f" with --pp {stages}" if stages > 1 else "")
+                            + f" uses {gx * gy * gz * gd * stages} GPUs, not --gpus {gpus}")
         same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
-                and (order is None or r["order"] == order)]
+                and int(r.get("pp", 1)) == stages and (order is None or r["order"] == order)]
         if not same:
             from axoplan.planner.rank import explain
 
             ex = explain(model, machine, gpus, global_batch, grid, order=order or "xyz", seq_len=seq_len,
-                         micro_batch=micro_batch,
+                         micro_batch=micro_batch, execution=execution, pp=stages, vpp=vpp,
+                         schedule=None if schedule == "all" else schedule,
                          checkpointing=None if checkpointing == "both" else checkpointing == "on")
             reason = ex.summary["reason"][0]
             if reason:
                 raise UserError(f"grid {gx},{gy},{gz},{gd} (order {order or 'xyz'}) is not feasible: {reason}")
             # an order equivalent to one already listed (axes of size 1 take no place): use that row
-            same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)]
+            same = [r for r in rows if (r["gx"], r["gy"], r["gz"], r["gdata"]) == (gx, gy, gz, gd)
+                    and int(r.get("pp", 1)) == stages]
             if not same:
                 raise UserError(f"grid {gx},{gy},{gz},{gd} is not among the ranked configurations")
         chosen = dict(same[0])
@@ -94,10 +99,18 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
               help="Steps left out of the summary's median.")
 @click.option("--out", "-o", "out", required=True, type=inputs.SafePath(file_okay=False),
               help="Run directory to write.")
+@click.option("--framework", "-f", type=click.Choice(["axoplan", "torchtitan", "megatron", "axonn"]),
+              default="axoplan", show_default=True,
+              help="Write the run for this framework (docs/frameworks.md); axoplan: the bundled trainer.")
+@click.option("--execution", "-e", type=inputs.TEXT, default=None,
+              help="Plan with this execution (default: the framework's own: axoplan, torchtitan, megatron-core, axonn).")
+@pipeline_options
 def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro_batch, checkpointing, steps,
-         warmup, out):
-    """Write DIR/config.yaml, DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and DIR/README.txt for
-    the best (or --rank K, or --grid) configuration."""
+         warmup, out, framework, execution, pp, vpp, pipeline_schedule):
+    """Write a run folder for the best (or --rank K, or --grid) configuration: for the bundled trainer
+    DIR/config.yaml, or for --framework its own files, with DIR/launch_torchrun.sh, DIR/launch_slurm.sbatch and
+    DIR/README.txt."""
+    from axoplan.loop.frameworks import framework_execution
     from axoplan.loop.launch import config_from_row, write_run_dir
     from axoplan.planner.machine import load_profile
 
@@ -115,12 +128,17 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     from axoplan.loop.launch import check_layout
 
     check_layout(gpus, load_profile(machine))
+    ex = framework_execution(framework, execution)
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
-                                      checkpointing)
+                                      checkpointing, execution=ex, pp=parse_pp(pp), vpp=vpp,
+                                      schedule=pipeline_schedule)
     profile = load_profile(machine)
+    if framework != "axoplan":
+        _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_len, ex, out, steps)
+        return
     machine_ref = str(Path(profile.path).resolve()) if profile.path else machine
     cfg = config_from_row(chosen, model, global_batch, seq_len, machine=machine_ref, steps=steps,
-                          warmup_steps=warmup)
+                          timing_warmup_steps=warmup)
     files = write_run_dir(out, cfg, profile, chosen, runner_up, command=_command_line(),
                           candidates=attrs.get("candidates"), feasible=attrs.get("feasible"))
     click.echo(f"chose gx={cfg.grid.gx} gy={cfg.grid.gy} gz={cfg.grid.gz} gdata={cfg.grid.gdata} order {cfg.order}, "
@@ -134,6 +152,27 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     if note:
         click.echo(note)
     click.echo(f"run it: bash {shlex.quote(str(Path(out) / 'launch_torchrun.sh'))}")
+
+
+def _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_len, ex, out, steps):
+    from axoplan.loop.frameworks import SLURM_NAME, Plan, write_framework_dir
+    from axoplan.loop.launch import portable_ref
+    from axoplan.planner.specs import Job, load_model
+
+    m = load_model(model)
+    job = Job(gpus, global_batch, seq_len or m.seq_len).validate()
+    plan = Plan.from_row(chosen)
+    if ex.placement:  # an order equivalent to the framework's own (axes of size 1 take no place): named as its own
+        plan = dataclasses.replace(plan, order=ex.placement)
+    files = write_framework_dir(out, framework, plan, m, job, profile, ex, portable_ref(model), chosen=chosen,
+                                command=_command_line(), steps=steps)
+    click.echo(f"chose pp={plan.pp} gx={plan.gx} gy={plan.gy} gz={plan.gz} gdata={plan.gdata} order {plan.order}, "
+               f"micro-batch {plan.micro_batch}, checkpointing {'on' if plan.checkpointing else 'off'} for {framework} "
+               f"(execution {ex.name}): predicted {chosen['batch_time_s']:.4g} s per batch, "
+               f"{chosen['memory_gib']:.3g} GiB per GPU")
+    for p in files.values():
+        click.echo(f"wrote {p}")
+    click.echo(f"submit it: sbatch {shlex.quote(str(Path(out) / SLURM_NAME))}")
 
 
 # ---- validate ---------------------------------------------------------------------------------------
@@ -176,7 +215,8 @@ def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkp
 @click.option("--resume", is_flag=True, help="Continue the sweep in --out, skipping recorded candidates.")
 @click.option("--slurm", is_flag=True, help="Write a Slurm job array of the candidates instead of running them.")
 @click.option("--collect", "collect_dir", default=None, type=click.Path(file_okay=False),
-              help="Score a --slurm sweep's runs in this folder.")
+              help="Score a --slurm sweep's runs in this folder, or read back one emitted run folder "
+                   "(any --framework) into its results.csv.")
 @execution_option
 def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
              micro_batch, checkpointing, out, resume, slurm, collect_dir, execution):
@@ -186,8 +226,13 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
     bundled_execution(execution, "validate")
 
     if collect_dir is not None:
+        from axoplan.loop.run_logs import collect_run, is_run_folder
+
         if not Path(collect_dir).is_dir():
             raise UserError(f"--collect: '{collect_dir}' is not a folder")
+        if is_run_folder(collect_dir) and not (Path(collect_dir) / sweeps.SWEEP_FILE).exists():
+            collect_run(collect_dir, echo=click.echo)  # one run of `axoplan emit`, any framework
+            return
         sweeps.collect(collect_dir, echo=click.echo)
         return
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
@@ -210,8 +255,9 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
 
 # ---- refit ------------------------------------------------------------------------------------------
 @click.command("refit")
-@click.option("--results", "-r", required=True, type=inputs.SafePath(dir_okay=False),
-              help="results.csv of axoplan validate.")
+@click.option("--results", "-r", required=True, multiple=True, type=inputs.SafePath(),
+              help="results.csv of axoplan validate, or a run folder of axoplan emit (any framework) after its run; "
+                   "repeat it to fit several.")
 @click.option("--machine", "-p", required=True, type=inputs.TEXT, help="The profile to correct (name or YAML path).")
 @click.option("--out", "-o", "out", required=True, type=inputs.SafePath(dir_okay=False),
               help="New profile YAML to write.")
@@ -229,6 +275,6 @@ def refit(results, machine, out, params, no_loo):
     from axoplan import progress
 
     with progress.on_stderr("refit"):
-        r = refit_api(results, machine, out, ps, loo=not no_loo)
+        r = refit_api(list(results), machine, out, ps, loo=not no_loo)
     click.echo(format_report(r))
     click.echo(f"wrote {out}")

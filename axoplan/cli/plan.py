@@ -260,7 +260,8 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
         parts.append("overlap (OAR/ORS/OAG) modelled as off")
     if not r.execution.bundled:
         parts.append(f"execution {r.execution.name}: {r.execution.differences()} (explain gives its sources); "
-                     f"the bundled trainer runs only 'axoplan'")
+                     f"the bundled trainer runs only 'axoplan'; emit --framework writes a run for torchtitan, "
+                     f"megatron or axonn (docs/frameworks.md)")
     _emit(_render(parts), output)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from axoplan import inputs, plots
-from axoplan.atomic import atomic_write_text, check_writable
+from axoplan.atomic import atomic_write_text, check_writable, write_output
 from axoplan.errors import UserError
 from axoplan.cli.plan import execution_option
 from axoplan.planner.execution import load_execution
@@ -75,6 +75,13 @@ def render(df: pd.DataFrame, fmt: str) -> str:
 
 
 def write_plot(df: pd.DataFrame, title: str, path: str) -> None:
+    """plot_png's PNG written to path atomically."""
+    from axoplan.atomic import write_output
+
+    write_output(path, plot_png(df, title))
+
+
+def plot_png(df: pd.DataFrame, title: str) -> bytes:
     """Time per batch (with the ideal 1/GPUs line) and parallel efficiency against GPUs, log axes."""
     plt = plots.pyplot()
     from matplotlib.ticker import NullFormatter
@@ -113,7 +120,7 @@ def write_plot(df: pd.DataFrame, title: str, path: str) -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
-    plots.save_png(fig, path)
+    return plots.png_bytes(fig)
 
 
 def _progress(i, n, row):
@@ -170,10 +177,11 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
     text = render(df, fmt)
     if fmt == "table" and not kw["execution"].bundled:
         text += f"execution {kw['execution'].name}: {kw['execution'].differences()}\n"
+    png = plot_png(df, title) if plot else None  # made before either output is written: both or neither
     if output:
         atomic_write_text(output, text)
     else:
         click.echo(text, nl=False)
     if plot:
-        write_plot(df, title, plot)
+        write_output(plot, png)
         click.echo(f"plot written to {plot}", err=True)

@@ -3,6 +3,8 @@ Everything here is text generation: no torch, no process start. `axoplan emit` a
 write run directories through write_run_dir(), so what validate measures is exactly what a user would launch."""
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 from axoplan import inputs, slurm
@@ -11,6 +13,8 @@ from axoplan.shell import check_script, comment, env_name, quote, safe_line
 from axoplan.runconfig import Grid, LaunchConfig
 
 CONFIG_NAME = "config.yaml"
+PROFILE_NAME = "machine.yaml"  # the machine profile, copied in: the folder holds everything it needs
+MODEL_NAME = "model.yaml"  # a model given as a YAML file, copied in (a preset stays a name)
 TORCHRUN_NAME = "launch_torchrun.sh"
 SLURM_NAME = "launch_slurm.sbatch"
 README_NAME = "README.txt"
@@ -26,15 +30,22 @@ def portable_ref(ref: str) -> str:
     return s
 
 
+def python_default() -> str:
+    """The launchers' `PYTHON="${PYTHON:-...}"` line: the interpreter that ran emit (its venv's, with axoplan and
+    torch installed), overridable; a bare python3 outside the venv would lack them."""
+    return f'PYTHON="${{PYTHON:-{quote(sys.executable or "python3", "the Python interpreter path")}}}"'
+
+
 def config_from_row(row, model: str, global_batch: int, seq_len: int | None = None, machine: str | None = None,
-                    steps: int = 10, warmup_steps: int = 2, **overrides) -> LaunchConfig:
+                    steps: int = 10, timing_warmup_steps: int = 2, **overrides) -> LaunchConfig:
     """The LaunchConfig of one ranked row (a mapping with gx, gy, gz, gdata, order, micro_batch,
     checkpointing, as axoplan.planner.rank.rank() returns)."""
     cfg = LaunchConfig(
         model=portable_ref(model),
         grid=Grid(int(row["gx"]), int(row["gy"]), int(row["gz"]), int(row["gdata"])),
         order=str(row["order"]), global_batch=int(global_batch), micro_batch=int(row["micro_batch"]),
-        seq_len=None if seq_len is None else int(seq_len), steps=int(steps), warmup_steps=int(warmup_steps),
+        seq_len=None if seq_len is None else int(seq_len), steps=int(steps),
+        timing_warmup_steps=int(timing_warmup_steps),
         checkpointing=bool(row["checkpointing"]), machine=machine)
     for k, v in overrides.items():
         if not hasattr(cfg, k):
@@ -141,7 +152,7 @@ def torchrun_script(cfg: LaunchConfig, profile) -> str:
         f'NNODES="${{NNODES:-{nodes}}}"',
         f'NPROC_PER_NODE="${{NPROC_PER_NODE:-{per}}}"',
         'NODE_RANK="${NODE_RANK:-0}"',
-        'PYTHON="${PYTHON:-python3}"',
+        python_default(),
         'if (( NNODES * NPROC_PER_NODE != GRID_SIZE )); then',
         '  echo "error: NNODES*NPROC_PER_NODE = $NNODES*$NPROC_PER_NODE must equal the grid size $GRID_SIZE" >&2',
         "  exit 2",
@@ -179,21 +190,51 @@ def slurm_script(cfg: LaunchConfig, profile, run_dir: str | Path, time_limit_s: 
     lines = slurm.header(
         job_name=job_name or f"axoplan-{Path(cfg.model).stem}-{cfg.grid.gx}x{cfg.grid.gy}x{cfg.grid.gz}x{cfg.grid.gdata}-{cfg.order}",
         nodes=nodes, ntasks=g, ntasks_per_node=per, gpus_per_node=None if is_cpu_profile(profile) else per,
-        time_s=time_limit_s, log_dir=rd, log_name="slurm-%j.out", about=about)
+        time_s=time_limit_s, log_dir=rd, log_name="slurm-%j.out", about=about, exclusive=True,
+        site=slurm.site_options(profile), cpus_per_task=slurm.site_options(profile).get("cpus_per_task"),
+        requeue=True)
     lines += [
         "# shellcheck disable=SC2016  # the quoted path is literal on purpose",
         f"RUN_DIR={quote(rd, 'the run folder path')}",
         'cd "$RUN_DIR"',
-        'PYTHON="${PYTHON:-python3}"',
+        python_default(),
         "# torch's env:// rendezvous: the first node of the allocation hosts the store",
         slurm.head_node("MASTER_ADDR"),
         'export MASTER_ADDR',
         'export MASTER_PORT="${MASTER_PORT:-29500}"',
         *_env_lines(launch_env(profile)),
-        f'srun --ntasks={g} --ntasks-per-node={per} --kill-on-bad-exit=1 \\',
-        f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}"',
+        *slurm_task_lines(profile, per),
+        *slurm.requeue_lines(),
+        *slurm.background_step([
+            f'srun --ntasks={g} --ntasks-per-node={per} --cpus-per-task="$CPUS_PER_TASK" {gpu_bind(profile, per)}'
+            '--kill-on-bad-exit=1 \\',
+            f'  "$PYTHON" -m axoplan.cli train --config "$RUN_DIR/{CONFIG_NAME}"']),
     ]
     return slurm.script(lines, "an emitted script")
+
+
+def slurm_task_lines(profile, tasks_per_node: int, ranks_per_task: int = 1) -> list[str]:
+    """CPUS_PER_TASK: the profile's launch.slurm.cpus_per_task, else the node's CPUs shared by its tasks (an
+    exclusive job owns the node); each rank's threads are its share of them (a torchrun task starts
+    ranks_per_task ranks)."""
+    fixed = slurm.site_options(profile).get("cpus_per_task")
+    share = (str(int(fixed)) if fixed else
+             f'$(( ${{SLURM_CPUS_ON_NODE:-{tasks_per_node}}} / {tasks_per_node} > 0 ? '
+             f'${{SLURM_CPUS_ON_NODE:-{tasks_per_node}}} / {tasks_per_node} : 1 ))')
+    threads = ('"$CPUS_PER_TASK"' if ranks_per_task == 1 else
+               f'"$(( CPUS_PER_TASK / {ranks_per_task} > 0 ? CPUS_PER_TASK / {ranks_per_task} : 1 ))"')
+    return [f'CPUS_PER_TASK="${{CPUS_PER_TASK:-{share}}}"',
+            f'[[ -n "${{OMP_NUM_THREADS:-}}" ]] || export OMP_NUM_THREADS={threads}']
+
+
+def gpu_bind(profile, tasks_per_node: int) -> str:
+    """srun's --gpu-bind option (with a trailing space), or "" on CPU: each of one-task-per-GPU ranks gets the
+    GPU closest to its CPUs; one task owning a node's GPUs (torchrun) sees them all. launch.slurm.gpu_bind wins."""
+    if is_cpu_profile(profile):
+        return ""
+    bind = slurm.site_options(profile).get("gpu_bind") or ("closest" if tasks_per_node == profile.gpus_per_node
+                                                            else "none")
+    return f"--gpu-bind={bind} "
 
 
 def _fmt_row(r) -> str:
@@ -257,6 +298,25 @@ def readme_text(cfg: LaunchConfig, profile, chosen, runner_up=None, command: str
     return "\n".join(safe_line(line, "a value written into README.txt") for line in out)
 
 
+def portable(cfg: LaunchConfig, profile, folder: Path) -> tuple[LaunchConfig, dict]:
+    """cfg naming the copies of its profile and model file that go into the folder (relative names: the folder can
+    move; runconfig.load_config reads them from the config's folder), and those files."""
+    from axoplan.loop.profile_copy import profile_files
+
+    files: dict = {}
+    if profile.path:
+        files.update(profile_files(profile, PROFILE_NAME, folder))
+        cfg = dataclasses.replace(cfg, machine=PROFILE_NAME)
+    model = Path(cfg.model)
+    if cfg.model.endswith((".yaml", ".yml")) and model.is_file():
+        try:
+            files[MODEL_NAME] = (model.read_bytes(), 0o644)
+        except OSError as e:
+            raise UserError(f"cannot read the model file '{model}': {(e.strerror or str(e)).lower()}") from None
+        cfg = dataclasses.replace(cfg, model=MODEL_NAME)
+    return cfg, files
+
+
 def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runner_up=None, command: str = "",
                   candidates: int | None = None, feasible: int | None = None,
                   slurm_time_s: float | None = None) -> dict[str, Path]:
@@ -265,6 +325,7 @@ def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runne
     from axoplan.atomic import write_files
 
     d = Path(inputs.text(str(out_dir), "the run folder path"))
+    cfg, carried = portable(cfg, profile, d)
     if slurm_time_s is None:
         # the predicted run (steps x predicted batch time) with a generous margin for start-up and
         # model error, at least 10 minutes
@@ -274,6 +335,7 @@ def write_run_dir(out_dir: str | Path, cfg: LaunchConfig, profile, chosen, runne
         TORCHRUN_NAME: (torchrun_script(cfg, profile), 0o755),
         SLURM_NAME: (slurm_script(cfg, profile, d, slurm_time_s), 0o755),
         README_NAME: (readme_text(cfg, profile, chosen, runner_up, command, candidates, feasible), 0o644),
+        **carried,
     }
     # all four files as one unit under the folder's lock: two emits into one folder never mix
     return write_files(d, files)

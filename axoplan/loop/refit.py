@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,7 @@ LOG_BOUND = np.log(20.0)
 class RunSet:
     """Measured runs grouped by job, each group evaluated in one vectorised call."""
 
-    groups: list  # (ModelSpec, Job, Candidates, positions into `measured`)
+    groups: list  # (ModelSpec, Job, Candidates, positions into `measured`, Execution the runs ran)
     measured: np.ndarray
     labels: list
 
@@ -62,10 +61,10 @@ class RunSet:
         remap = -np.ones(len(self.measured), dtype=np.int64)
         remap[pos] = np.arange(len(pos))
         groups = []
-        for m, job, c, idx in self.groups:
+        for m, job, c, idx, ex in self.groups:
             sel = np.nonzero(remap[idx] >= 0)[0]
             if len(sel):
-                groups.append((m, job, c.take(sel), remap[idx[sel]]))
+                groups.append((m, job, c.take(sel), remap[idx[sel]], ex))
         return RunSet(groups, self.measured[pos], [self.labels[i] for i in pos])
 
 
@@ -84,9 +83,11 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
         raise UserError(f"{where} has no run that finished ok: nothing to fit")
     seqs = _check_rows(ok, where)
     _check_runnable(ok, seqs, where)
+    # a framework's run (emit --framework, read back) is predicted with the execution it ran
+    execs = [execution_of(v) for v in (ok["execution"] if "execution" in ok else [None] * len(ok))]
     groups = []
-    key = pd.Series([f"{m}\0{int(g)}\0{int(b)}\0{s}" for m, g, b, s in
-                     zip(ok["model"], ok["gpus"], ok["global_batch"], seqs)], index=ok.index)
+    key = pd.Series([f"{m}\0{int(g)}\0{int(b)}\0{s}\0{e.name}\0{e.source}" for m, g, b, s, e in
+                     zip(ok["model"], ok["gpus"], ok["global_batch"], seqs, execs)], index=ok.index)
     for _, g in ok.groupby(key, sort=False):
         first = g.iloc[0]
         m = load_model(str(first["model"]))
@@ -95,9 +96,26 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
         order_idx = np.array([ORDERS.index(o) for o in g["order"]], dtype=np.int8)
         c = Candidates(*(g[k].to_numpy(np.int64) for k in ("gx", "gy", "gz", "gdata")), order_idx,
                        g["micro_batch"].to_numpy(np.int64), g["checkpointing"].to_numpy(bool))
-        groups.append((m, job, c, g.index.to_numpy()))
+        groups.append((m, job, c, g.index.to_numpy(), execs[g.index[0]]))
     labels = list(ok["candidate"]) if "candidate" in ok else [str(i) for i in range(len(ok))]
     return RunSet(groups, ok["measured_time_s"].to_numpy(float), labels)
+
+
+def execution_of(value):
+    """A results row's execution: empty (the bundled trainer's), a preset name, or the JSON of its fields."""
+    import json
+
+    from axoplan.planner.execution import AXOPLAN, Execution, load_execution
+
+    if value is None or (isinstance(value, float) and value != value) or str(value).strip() == "":
+        return AXOPLAN
+    s = str(value).strip()
+    if s.startswith("{"):
+        try:
+            return load_execution(Execution(**json.loads(s)))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"a results row's execution is not a set of execution fields: {e}") from None
+    return load_execution(s)
 
 
 def _check_rows(ok: pd.DataFrame, where: str) -> list:
@@ -210,8 +228,8 @@ def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = No
 
     p = profile.with_corrections(**corrections) if corrections else profile
     out = np.empty(len(runs.measured))
-    for m, job, c, idx in runs.groups:
-        out[idx] = evaluate(m, p, job, c).batch_time
+    for m, job, c, idx, ex in runs.groups:
+        out[idx] = evaluate(m, p, job, c, execution=ex).batch_time
     return out
 
 
@@ -461,8 +479,8 @@ def format_report(r: Report) -> str:
 
 
 def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str) -> dict:
-    """The old profile's YAML mapping with refitted corrections and the new name; relative paths of
-    measured tables (GEMM, attention, collectives) are rewritten to stay valid from the new file's folder."""
+    """The old profile's YAML mapping with refitted corrections and the new name; its table paths are still the
+    old file's (refit copies the tables beside the new one: profile_copy.with_tables)."""
     if not profile.path:
         raise UserError("refit needs a profile read from a YAML file")
     src = Path(profile.path)
@@ -473,11 +491,6 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     today = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
     d["name"] = name
     d["description"] = f"{d.get('description', '')} [corrections refit {today} by axoplan refit]".strip()
-    for section, sub in (("compute", "gemm"), ("compute", "attention"), ("network", "intra_node")):
-        tab = ((d.get(section) or {}).get(sub) or {}).get("table")
-        if isinstance(tab, dict) and isinstance(tab.get("path"), str) and not Path(tab["path"]).is_absolute():
-            abs_tab = (src.parent / tab["path"]).resolve()
-            tab["path"] = os.path.relpath(abs_tab, out.resolve().parent)
     loo = f"{r.mape_loo:.1f}%" if r.mape_loo is not None else "n/a"
     src_text = (f"axoplan refit {today}: least squares on log time of {r.n_runs} ok runs in {results} "
                 f"against profile '{profile.name}' ({src}); fitted {', '.join(r.params) or 'nothing'} "
@@ -491,10 +504,10 @@ def new_profile_dict(profile: MachineProfile, r: Report, out: Path, results: str
     return d
 
 
-def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo: bool = True) -> Report:
-    """What `axoplan refit` does: read results, fit, write the new profile atomically."""
-    from axoplan.atomic import atomic_write_text, check_writable
-    from axoplan.loop.validate import read_results
+def refit(results, machine: str, out: str | Path, params="auto", loo: bool = True) -> Report:
+    """What `axoplan refit` does: read results (a results.csv, an emitted run folder, or a list of them), fit,
+    write the new profile atomically."""
+    from axoplan.atomic import atomic_write_bytes, atomic_write_text, check_writable
 
     out = Path(out)
     if out.suffix not in (".yaml", ".yml"):
@@ -503,14 +516,23 @@ def refit(results: str | Path, machine: str, out: str | Path, params="auto", loo
     if profile.path and out.resolve() == Path(profile.path).resolve():
         raise UserError(f"--out '{out}' is the input profile itself; refit writes a new profile and never edits the old one")
     check_writable(out, "--out")  # before the fit, which can take a while
-    check_results_file(results)
-    df = read_results(results)
-    check_same_machine(df, profile, f"results file '{results}'")
-    runs = runs_from_results(df, f"results file '{results}'")
+    from axoplan.loop.run_logs import results_frame
+
+    df = results_frame(results)
+    names = [str(results)] if isinstance(results, (str, Path)) else [str(r) for r in results]
+    where = f"results file '{names[0]}'" if len(names) == 1 else f"results ({', '.join(names)})"
+    check_same_machine(df, profile, where)
+    runs = runs_from_results(df, where)
     r = refit_profile(profile, runs, params, loo)
-    d = new_profile_dict(profile, r, out, str(results))
+    d = new_profile_dict(profile, r, out, ", ".join(names))
+    from axoplan.loop.profile_copy import with_tables
+
+    # the measured tables are written beside the new profile: it can be moved, or the old one deleted
+    d, tables = with_tables(d, Path(profile.path), out.resolve().parent, prefix=f"{out.stem}_")
     text = ("# Machine profile written by `axoplan refit` from "
             f"'{profile.path}' (schema: machine_profiles/README.md)\n" + yaml.safe_dump(d, sort_keys=False))
+    for name, (data, _) in tables.items():
+        atomic_write_bytes(out.resolve().parent / name, data)
     atomic_write_text(out, text)
     load_profile(str(out))  # the new file must load: a bug here is ours, not the user's
     return r

@@ -32,7 +32,7 @@ import pandas as pd
 
 from axoplan import inputs
 from axoplan.loop import validate_proc as P
-from axoplan.atomic import atomic_write_text
+from axoplan.atomic import atomic_write_text, write_files
 from axoplan.errors import UserError
 from axoplan.loop.launch import (
     CONFIG_NAME,
@@ -43,6 +43,7 @@ from axoplan.loop.launch import (
     env_summary,
     is_cpu_profile,
     launch_env,
+    python_default,
     write_run_dir,
 )
 from axoplan.planner.machine import load_profile
@@ -60,7 +61,7 @@ from axoplan.loop.validate_files import (
 from axoplan.loop.validate_files import csv_line as _csv_line
 from axoplan.loop.validate_files import header as _header
 from axoplan.loop.validate_proc import kill_tree
-from axoplan.loop.validate_score import format_score, plot, score
+from axoplan.loop.validate_score import format_score, plot, plot_png, score
 
 SWEEP_FILE, PLAN_FILE, RESULTS_FILE, SUMMARY_FILE, PLOT_FILE = (
     "sweep.json", "plan.csv", "results.csv", "summary.json", "ranking.png")
@@ -394,7 +395,7 @@ def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
         recs = plan.to_dict("records")
         for i, row in enumerate(recs):
             cfg = config_from_row(row, sw.model, sw.global_batch, sw.seq_len, machine=machine_ref, steps=sw.steps,
-                                  warmup_steps=sw.warmup_steps)
+                                  timing_warmup_steps=sw.warmup_steps)
             runner_up = recs[1] if i == 0 and len(recs) > 1 else recs[0] if i > 0 else None
             write_run_dir(out / "runs" / row["candidate"], cfg, profile, row, runner_up,
                           command=f"axoplan validate (candidate {i + 1} of {len(recs)})",
@@ -432,11 +433,11 @@ def finish(out: Path, title: str = "", echo: Callable[[str], None] = print) -> d
     """Score results.csv, save summary.json and ranking.png, print the scores."""
     res = read_results(out / RESULTS_FILE)
     s = score(res)
+    png = plot_png(res, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret {100 * s['regret']:.1f}%)"
+                                       if s.get("kendall_tau") is not None else ""))
     try:
-        atomic_write_text(out / SUMMARY_FILE, json.dumps(s, indent=1) + "\n")
-        plot(res, out / PLOT_FILE, title=title + (f"  (Kendall tau {s['kendall_tau']:.2f}, regret "
-                                                  f"{100 * s['regret']:.1f}%)" if s.get("kendall_tau") is not None
-                                                  else ""))
+        # the scores and their plot replace the last ones together, or neither does
+        write_files(out, {SUMMARY_FILE: (json.dumps(s, indent=1) + "\n", None), PLOT_FILE: (png, None)})
     except OSError as e:
         raise _write_error(out, e) from None
     echo(format_score(s))
@@ -550,13 +551,14 @@ def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
                            f"{shell.quote(str(out), where)}")]
     lines = slurm.header(job_name="axoplan-validate", array=len(ids), nodes=nodes, ntasks=sw.gpus,
                          ntasks_per_node=per, gpus_per_node=None if is_cpu_profile(profile) else per,
-                         time_s=sw.timeout_s, log_dir=out / "runs", log_name="slurm-%A_%a.out", about=about)
+                         time_s=sw.timeout_s, log_dir=out / "runs", log_name="slurm-%A_%a.out", about=about,
+                         exclusive=True, site=slurm.site_options(profile))
     lines += ["# shellcheck disable=SC2016  # quoted paths are literal on purpose",
               f"OUT={shell.quote(str(out), where)}",
               "RUNS=(" + shell.join(ids, "a candidate name") + ")",
               'RUN_DIR="$OUT/runs/${RUNS[$SLURM_ARRAY_TASK_ID]}"',
               'cd "$RUN_DIR"',
-              'PYTHON="${PYTHON:-python3}"',
+              python_default(),
               slurm.head_node("MASTER_ADDR"),
               "export MASTER_ADDR",
               "# array tasks may share a node: one port each",

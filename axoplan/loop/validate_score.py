@@ -74,6 +74,13 @@ def format_score(s: dict) -> str:
 
 # ---- the plot -----------------------------------------------------------------------------------
 def plot(results: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """plot_png's PNG written to path atomically."""
+    from axoplan.atomic import write_output
+
+    return write_output(path, plot_png(results, title))
+
+
+def plot_png(results: pd.DataFrame, title: str = "") -> bytes:
     """Left: measured (and predicted) time per batch against predicted rank, failed runs marked on the
     axis; right: predicted against measured with the y = x line. As AxoNN's Figure 2 (SC24)."""
     plt = plots.pyplot()
@@ -112,4 +119,4 @@ def plot(results: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return plots.save_png(fig, path)
+    return plots.png_bytes(fig)

@@ -161,9 +161,11 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     limit = profile.mem_capacity - profile.mem_headroom
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
+    # then what the framework cannot express (execution.capability_masks), before memory
     rules = divisibility_masks(model, job.global_batch, S, c) + [
         (execution.pipeline_even_split & (model.n_layers % (c.pp * c.vpp) != 0),
-         f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")]
+         f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")] + \
+        execution.capability_masks(c)
     reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
     code = np.full(np.broadcast(ck, gx).shape, -1, dtype=np.int64)
     for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):

@@ -5,8 +5,12 @@ predicted with the mechanisms they really run. Each field is one mechanism; the 
 the element-wise work (compute.py) and memory (memory.py) read it, nothing else does.
 
 `axoplan rank|explain|scale --execution NAME|FILE.yaml`; a YAML file holds any of the fields below
-(`base: PRESET` starts from a preset). Only `axoplan` can be emitted and validated: the bundled trainer runs
-nothing else.
+(`base: PRESET` starts from a preset). `axoplan emit --framework` writes a candidate for the frameworks that have a
+writer (axoplan/loop/frameworks.py); `validate` runs the bundled trainer, which runs only `axoplan`.
+
+Besides the mechanisms, an execution says what its framework can express (`grid_axes`, `placement`,
+`pipeline`, `micro_batch_over_tensor`): `rank --execution X` marks every other candidate infeasible with the
+reason (capability_masks; the pipeline schedules it lacks are not enumerated), so it ranks only what X can run.
 """
 from __future__ import annotations
 
@@ -92,6 +96,14 @@ class Execution:
     # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
     # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
     pipeline_even_split: bool = False
+    # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
+    grid_axes: str = "xyzd"
+    # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the
+    # axes > 1 counts, as an axis of size 1 takes no place
+    placement: str = ""
+    # the micro-batch is split over the gx * gy tensor-parallel ranks (AxoNN's non-expert Linear layers gather
+    # their X x Y group's sequences), so it must be a multiple of gx * gy
+    micro_batch_over_tensor: bool = False
     source: str = "the bundled trainer (axoplan/runtime): what `emit` writes and `validate` runs"
 
     @property
@@ -111,6 +123,34 @@ class Execution:
     def sequence_split(self, gy):
         """Over how many ranks a token-wise tensor between the Y-split GEMMs is split (1 without SP)."""
         return np.asarray(gy) if self.sequence_parallel else 1
+
+    def capability_masks(self, c) -> list[tuple[np.ndarray, str]]:
+        """(violated mask, reason) for every candidate of c this framework cannot express, as
+        space.divisibility_masks (the reasons are formatted with the row's gx, gy, gz, gdata)."""
+        from axoplan.planner.space import ORDERS
+
+        rules = []
+        for axis, name in (("x", "gx"), ("y", "gy"), ("z", "gz"), ("d", "gdata")):
+            if axis not in self.grid_axes:
+                rules.append((np.asarray(getattr(c, name)) > 1,
+                              f"{self.name} cannot split {name} > 1 ({name}={{{name}}}): it has no {AXIS_NAMES[axis]}"))
+        if self.placement:
+            sizes = {"x": np.asarray(c.gx), "y": np.asarray(c.gy), "z": np.asarray(c.gz)}
+            order = np.asarray(c.order)
+            bad = np.zeros(np.shape(order), dtype=bool)
+            for i, o in enumerate(ORDERS):
+                # the axes > 1 must come in the framework's order: every pair it has the other way round is a clash
+                for a in o:
+                    for b in o[o.index(a) + 1:]:
+                        if self.placement.index(a) > self.placement.index(b):
+                            bad |= (order == i) & (sizes[a] > 1) & (sizes[b] > 1)
+            rules.append((bad, f"{self.name} places its axes {self.placement} (innermost first), not this order"))
+        if self.micro_batch_over_tensor:
+            tensor = np.asarray(c.gx) * np.asarray(c.gy)
+            rules.append((np.asarray(c.micro_batch) % tensor != 0,
+                          f"{self.name} splits each micro-batch over the gx*gy tensor-parallel ranks: micro-batch "
+                          "{micro_batch} is not a multiple of gx*gy={gx}*{gy}"))
+        return rules
 
     def recomputed_flops_per_token(self, model, seq_len: int) -> float:
         """Model FLOP per token a checkpointing candidate computes again: the blocks' whole forward (full), or
@@ -137,6 +177,9 @@ class Execution:
 
 
 AXOPLAN = Execution()
+AXIS_NAMES = {"x": "column (X, in-features) tensor parallelism: its tensor parallelism is one-dimensional",
+              "y": "row (Y) tensor parallelism", "z": "sharded (Z, FSDP-like) data parallelism",
+              "d": "replicated data parallelism"}
 
 
 @dataclass(frozen=True)
@@ -189,6 +232,7 @@ PRESETS = {
         "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
         pipeline="interleaved", pipeline_even_split=True,
+        grid_axes="yd", placement="yzx",
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
@@ -197,6 +241,7 @@ PRESETS = {
         "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
         pipeline="interleaved", pipeline_even_split=True,
+        grid_axes="yd", placement="yzx",
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
                "before FlashAttention (baddbmm, FusedScaleMaskSoftmax, attention dropout 0.1, bmm; their "
@@ -219,24 +264,38 @@ PRESETS = {
     "torchtitan": Execution(
         "torchtitan", sequence_parallel=True, recompute="op-selective", gradient_reduce="fp32",
         pipeline="interleaved",
+        grid_axes="yzd", placement="yzx",
         source="torchtitan (pytorch/torchtitan, parallelize_llama): tensor parallelism with SequenceParallel "
                "norms; FSDP2 with MixedPrecisionPolicy (fp32 shards cast to bf16 before each all-gather, "
                "gradients reduce-scattered in fp32: training.mixed_precision_reduce 'float32'); its "
                "default activation checkpointing, selective per op (activation_checkpoint.mode 'selective', "
                "selective_ac_option 'op'); pipeline stages on torch.distributed.pipelining (parallelism."
                "pipeline_parallel_schedule 1F1B or Interleaved1F1B)"),
+    # what `emit --framework axonn` writes: AxoNN's own Linear layers and overlaps, the algorithm the bundled
+    # trainer follows; its rank order is fixed (axonn/communication.py: column fastest, then row, then depth)
+    "axonn": Execution(
+        "axonn", placement="xyz", micro_batch_over_tensor=True,
+        source="AxoNN 0.2.0 (axonn.init, axonn.intra_layer.Linear, optimize_communication) as `emit --framework "
+               "axonn` writes it: the bundled trainer's algorithm (fp32 weights cast under autocast, OAR/ORS/OAG); "
+               "ranks placed column (X) fastest, then row (Y), depth (Z), data (axonn/communication.py)"),
 }
 
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE}
+CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
+                  "first, or empty for any; pipeline: which schedules it runs")
 
 
 def _check(e: Execution, where: str) -> Execution:
     for name, allowed in CHOICES.items():
         if getattr(e, name) not in allowed:
             raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not {inputs.show(getattr(e, name))}")
+    if not e.grid_axes or set(e.grid_axes) - set("xyzd") or len(set(e.grid_axes)) != len(e.grid_axes):
+        raise UserError(f"{where}: grid_axes must be distinct letters of x, y, z, d, not '{e.grid_axes}'")
+    if e.placement and sorted(e.placement) != ["x", "y", "z"]:
+        raise UserError(f"{where}: placement must be an order of x, y, z (innermost first) or empty, not '{e.placement}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e

@@ -60,7 +60,7 @@ NETWORK_KEYS = {"source": TEXT, "latency_model": TEXT, "base_latency_us": NUM, "
 CORRECTIONS_KEYS = {"source": TEXT, **{name: NUM for name in (
     "gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale", "step_overhead_s",
     "kernel_overhead_scale", "collective_overhead_s", "overlap_efficiency")}}  # = Corrections' fields (checked below)
-LAUNCH_KEYS = {"env": FREE, "source": TEXT}
+LAUNCH_KEYS = {"env": FREE, "slurm": FREE, "source": TEXT}  # launch.slurm checked by _check_launch_slurm
 # the device it was measured on: a name, or {name, count, source} as calibrate writes (checked in _device)
 DEVICE_KEYS = {"name": FREE, "count": FREE, "source": FREE}
 PROFILE_KEYS = {"schema": TEXT, "name": TEXT, "description": TEXT, "device": DEVICE_KEYS, "kind": TEXT, "dtype": TEXT,
@@ -521,6 +521,7 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
     if "source" in section:
         inputs.text(section["source"] if isinstance(section["source"], str) else str(section["source"]),
                     f"{where}: field 'launch.source'", allow_empty=True)
+    _check_launch_slurm(section.get("slurm"), rd)
     env = section.get("env")
     if env is None:
         return
@@ -540,6 +541,27 @@ def _check_launch(section, rd: _Reader, where: str) -> None:
 
 # the range of every nonzero number in a profile, in its own units (GB/s, TFLOP/s, GiB, us, ratios)
 MIN_NUMBER, MAX_NUMBER = 1e-9, 1e9
+
+
+def _check_launch_slurm(sl, rd: _Reader) -> None:
+    """`launch.slurm: {account, partition, qos, constraint, cpus_per_task, gpu_bind}` become #SBATCH directives
+    and srun options, which no shell quotes: plain words only."""
+    if sl is None:
+        return
+    from axoplan.slurm import SITE_KEYS, directive_safe
+
+    known = SITE_KEYS + ("cpus_per_task", "gpu_bind")
+    if not isinstance(sl, dict):
+        rd.fail("launch.slurm", f"must be a mapping of {', '.join(known)}")
+    for k, v in sl.items():
+        if k not in known:
+            rd.fail(f"launch.slurm.{k}", f"is not a Slurm option axoplan writes (known: {', '.join(known)})")
+        if k == "cpus_per_task":
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 4096:
+                rd.fail("launch.slurm.cpus_per_task", f"must be a whole number of CPUs from 1 to 4096, got {v!r}")
+        elif not isinstance(v, str) or not directive_safe(v.replace(",", "").replace(":", "").replace("&", "")
+                                                          .replace("|", "")):
+            rd.fail(f"launch.slurm.{k}", f"must be a plain word (letters, digits, . _ - / , : & |), got {v!r}")
 
 
 class _Reader:

@@ -1,13 +1,14 @@
-"""The training loop: one LaunchConfig in, JSON-lines metrics out (nanoGPT-style, one sitting).
+"""The training loop: one LaunchConfig in, a trained model, its metrics and checkpoints out
+(nanoGPT-style, one sitting). Reporting, the LR schedule and checkpoints live in report.py,
+lr_schedule.py and checkpoint.py beside it.
 
     trainer = Trainer.from_config(cfg)        # process groups, model, optimizer, data
-    trainer.fit()                             # steps + metrics + summary line
+    trainer.fit()                             # steps (from a checkpoint with resume) + metrics + summary
     full = trainer.model.gather_full_params() # whole tensors, loadable by ReferenceGPT
 """
 from __future__ import annotations
 
 import io
-import json
 import math
 import resource
 import statistics
@@ -15,24 +16,28 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from axoplan.atomic import append_line, atomic_write_bytes
+from axoplan.atomic import atomic_write_bytes
 from axoplan.errors import UserError
 from axoplan.runconfig import LaunchConfig
 from axoplan.planner.space import grid_problem
 from axoplan.planner.specs import ModelSpec, load_model
 from axoplan.runtime.data import local_indices, open_source
 from axoplan.runtime.dist_env import DistEnv, cpu_threads, export_for_env_init, read_env
+from axoplan.runtime import checkpoint
 from axoplan.runtime.goldfish import goldfish_keep
 from axoplan.runtime.grid import ParallelGrid, build_grid
+from axoplan.runtime.lr_schedule import config_lr
 from axoplan.runtime.model import ParallelGPT
 from axoplan.runtime.parallel_linear import Runtime
 from axoplan.runtime.reference import decays
+from axoplan.runtime.report import MEMORY_KIND, Reporter, new_run_id
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,7 +87,19 @@ def check_config(cfg: LaunchConfig, world_size: int, local_world_size: int | Non
     check_memory(spec, cfg, world_size if local_world_size is None else local_world_size)
     open_source(cfg.data, cfg.seed, seq + 1)  # a missing or too short data path fails here, on all ranks
     peak_tflops(cfg)  # an unknown machine profile fails here too
+    resume_from(cfg, seq)  # and a checkpoint this run cannot continue
     return spec
+
+
+def resume_from(cfg: LaunchConfig, seq: int) -> Path | None:
+    """The checkpoint a `resume: true` run continues: the newest in checkpoint_dir (None: none yet, start at 0)."""
+    if not cfg.resume:
+        return None
+    found = checkpoint.checkpoints(cfg.path(cfg.checkpoint_dir))
+    if not found:
+        return None
+    checkpoint.check_resumable(checkpoint.read_meta(found[-1]), cfg, seq, found[-1])
+    return found[-1]
 
 
 def peak_tflops(cfg: LaunchConfig) -> float | None:
@@ -167,7 +184,11 @@ class Trainer:
         self.indices = local_indices(cfg.global_batch, grid.gdata, grid.gz, c.d, c.z)
         self.grad_acc = len(self.indices) // cfg.micro_batch
         self.peak = peak_tflops(cfg)
+        # useful model FLOP of one step, the planner's accounting (recomputation is not useful work)
+        self.step_flops = self.spec.flops_per_token(self.seq, recompute=False) * cfg.global_batch * self.seq
+        self.step = 0  # the next step to train: where fit() continues (a resumed run starts past 0)
         self.records: list[dict] = []
+        self.reporter: Reporter | None = None  # opened by the first fit(): dryrun and the proofs write nothing
         self.dp_bucket_bytes: int | None = None  # None: comm.DP_BUCKET_BYTES (the proofs set small caps)
 
     @classmethod
@@ -179,6 +200,8 @@ class Trainer:
         return cls(cfg, build_grid(g.gx, g.gy, g.gz, g.gdata, cfg.order), res, **kw)
 
     def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
         self.grid.destroy()
 
     # ---- one optimizer step ----------------------------------------------------------------
@@ -191,13 +214,27 @@ class Trainer:
         return torch.from_numpy(tokens).to(dev), torch.from_numpy(keep).to(dev, torch.float32)
 
     def train_step(self, step: int) -> dict:
-        rt, model, mb = self.rt, self.model, self.cfg.micro_batch
+        rt, model = self.rt, self.model
         tokens, keep = self.local_batch(step)
         n_kept = keep.sum().double()  # the loss is a mean over the kept targets of the global batch
         rt.all_reduce(n_kept, "zd", layer="token count")
         model.grad_buffer.zero_()
         for p in model.replicated_params():
             p.grad = None
+        loss_sum, dp_armed = self.forward_backward(tokens, keep, n_kept)
+        rt.moment("step")
+        self.reduce_gradients(overlapped=dp_armed)
+        grad_norm = self.clip_gradients()
+        with rt.memory_kind("states"):  # AdamW's moments appear at the first step
+            self.opt.step()
+        rt.all_reduce(loss_sum, "zd", layer="loss")
+        return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
+
+    def forward_backward(self, tokens: torch.Tensor, keep: torch.Tensor,
+                         n_kept: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Every micro-batch's forward and backward (gradient accumulation): the sum of their losses, and
+        whether the D all-reduce was launched inside the last backward. The part a pipeline schedule replaces."""
+        rt, model, mb = self.rt, self.model, self.cfg.micro_batch
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.res.device)
         dp_armed = False
         for m in range(self.grad_acc):
@@ -210,13 +247,7 @@ class Trainer:
                 (part / n_kept.float()).backward()
                 rt.finish_backward()
             loss_sum += part.detach().double()
-        rt.moment("step")
-        self.reduce_gradients(overlapped=dp_armed)
-        grad_norm = self.clip_gradients()
-        with rt.memory_kind("states"):  # AdamW's moments appear at the first step
-            self.opt.step()
-        rt.all_reduce(loss_sum, "zd", layer="loss")
-        return {"loss": _item(loss_sum / n_kept), "grad_norm": _item(grad_norm)}
+        return loss_sum, dp_armed
 
     def reduce_gradients(self, overlapped: bool = False) -> None:
         """Once per step: weight-shard gradients over D (fp32: one buffer, or with overlapped its
@@ -274,38 +305,75 @@ class Trainer:
         self._sync()
         return out, time.perf_counter() - t0
 
-    def _emit(self, record: dict) -> None:
-        if self.grid.rank != 0:
-            return
-        line = json.dumps(record)
-        print(line, flush=True)
-        if self.cfg.metrics:
-            append_line(self.cfg.metrics, line)
+    def set_lr(self, step: int) -> float:
+        lr = config_lr(self.cfg, step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        return lr
 
     def fit(self, steps: int | None = None) -> dict:
-        cfg, spec = self.cfg, self.spec
-        steps = steps or cfg.steps
+        """Train `steps` more steps, or up to the config's `steps`, from self.step (where a resumed run
+        or an earlier fit() left off); report each, checkpoint every `checkpoint_every`; the summary."""
+        cfg = self.cfg
+        if self.reporter is None:
+            self.begin()
+        end = self.step + steps if steps else cfg.steps
+        if end <= self.step:
+            raise UserError(f"nothing to train: the run is at step {self.step} and steps is {cfg.steps}")
+        self.reporter.total_steps = end
         tokens = cfg.global_batch * self.seq
-        flops = spec.flops_per_token(self.seq, recompute=False) * tokens
-        if self.res.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.res.device)
-        for step in range(steps):
+        while self.step < end:
+            step = self.step
+            lr = self.set_lr(step)
             out, dt = self.timed_step(step)
-            if not math.isfinite(out["loss"]):  # every rank sees the same reduced loss, so all stop alike
-                raise UserError(f"the loss became {out['loss']} at step {step}: training diverged (a learning "
-                                f"rate of {cfg.lr:g} may be too large); nothing after it would mean anything")
-            tflops = flops / dt / self.grid.size / 1e12
-            rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "batch_time_s": dt,
+            if not math.isfinite(out["loss"]):  # the same value on every rank: all stop together
+                msg = (f"the loss became {out['loss']} at step {step + 1} (lr {lr:.2e}); training stopped: "
+                       f"lower lr or lengthen lr_warmup_steps")
+                self.reporter.event("error", step=step, error=msg)
+                raise UserError(msg)
+            tflops = self.step_flops / dt / self.grid.size / 1e12
+            rec = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr, "batch_time_s": dt,
                    "tokens_per_s": tokens / dt, "model_tflops_per_gpu": tflops,
                    "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
                    "peak_memory_gib": self.peak_memory_gib()}
             self.records.append(rec)
-            self._emit(rec)
+            self.reporter.step(rec)
+            self.step += 1
+            if cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps):
+                self.save_checkpoint()
         summary = self.summary()
-        self._emit(summary)
+        self.reporter.summary(summary)
         if cfg.save:
-            self.save(cfg.save)
+            self.save(cfg.path(cfg.save))
         return summary
+
+    def begin(self) -> None:
+        """Start the run's reporting, from the checkpoint when the config resumes one."""
+        cfg, start = self.cfg, None
+        run_id = new_run_id()
+        path = resume_from(cfg, self.seq)
+        if path is not None:
+            meta = checkpoint.load(self, path)
+            self.step = start = int(meta["step"])
+            run_id = meta["run_id"]
+        elif cfg.resume and self.grid.rank == 0:
+            print(f"note: no checkpoint in '{cfg.path(cfg.checkpoint_dir)}' yet: starting at step 0", file=sys.stderr)
+        if self.res.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.res.device)
+        self.reporter = Reporter(cfg, active=self.grid.rank == 0, run_id=run_id, total_steps=cfg.steps,
+                                 memory_kind=MEMORY_KIND.get(self.res.device.type, self.res.device.type),
+                                 resumed_from=start,
+                                 start={"checkpoint": str(path) if path else None, "world_size": self.grid.size,
+                                        "config": cfg.to_dict()})
+
+    def save_checkpoint(self) -> None:
+        """Every rank, at the same step: the sharded state of the step just finished."""
+        cfg = self.cfg
+        meta = {"step": self.step, "run_id": self.reporter.run_id,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **checkpoint.run_identity(cfg, self.seq)}
+        t0 = time.perf_counter()
+        path = checkpoint.save(self, cfg.path(cfg.checkpoint_dir), meta, cfg.checkpoint_keep)
+        self.reporter.event("checkpoint", step=self.step, path=str(path), seconds=time.perf_counter() - t0)
 
     def peak_memory_gib(self) -> float:
         if self.res.device.type == "cuda":
@@ -315,14 +383,15 @@ class Trainer:
 
     def summary(self) -> dict:
         cfg, g = self.cfg, self.grid
-        timed = self.records[cfg.warmup_steps:] or self.records
+        timed = self.records[cfg.timing_warmup_steps:] or self.records
         med = statistics.median(r["batch_time_s"] for r in timed)
-        tflops = self.spec.flops_per_token(self.seq) * cfg.global_batch * self.seq / med / g.size / 1e12
+        tflops = self.step_flops / med / g.size / 1e12
         return {"summary": True, "median_batch_time_s": med, "median_tokens_per_s": cfg.global_batch * self.seq / med,
                 "model_tflops_per_gpu": tflops, "pct_of_peak": 100.0 * tflops / self.peak if self.peak else None,
                 "peak_memory_gib": max(r["peak_memory_gib"] for r in self.records),
                 "first_loss": self.records[0]["loss"], "final_loss": self.records[-1]["loss"],
-                "steps": len(self.records), "warmup_steps": cfg.warmup_steps, "model": self.spec.name,
+                "steps": len(self.records), "timing_warmup_steps": cfg.timing_warmup_steps,
+                "last_step": self.step, "model": self.spec.name,
                 "grid": {"gx": g.gx, "gy": g.gy, "gz": g.gz, "gdata": g.gdata}, "order": g.order,
                 "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch, "seq_len": self.seq,
                 "checkpointing": cfg.checkpointing, "overlap": vars(cfg.overlap).copy(),

@@ -230,8 +230,8 @@ def load_documents(docs: str | None, length: int, n_train: int, n_heldout: int, 
 class RepeatedDocuments:
     """Trainer data source (the `sequences(step, indices, length)` protocol of runtime/data.py):
     global position p = step·batch + i walks through epochs, each a seeded permutation of the
-    documents, so every document is seen once per epoch. `offset` continues the walk across
-    several `Trainer.fit` calls (each of which counts its steps from 0)."""
+    documents, so every document is seen once per epoch. Successive `Trainer.fit` calls continue the
+    step count, so they continue the walk; `offset` shifts it (0: from the first document)."""
 
     def __init__(self, docs: np.ndarray, global_batch: int, seed: int):
         self.docs = np.asarray(docs, dtype=np.int64)
@@ -356,9 +356,10 @@ def _launch_config(s: StudySettings, seq: int, grid, micro: int, goldfish: bool,
 
     gx, gy, gz, gd = grid
     return LaunchConfig(model=s.model, grid=Grid(gx, gy, gz, gd), global_batch=s.global_batch, micro_batch=micro,
-                        seq_len=seq, steps=1, warmup_steps=0, lr=s.lr, weight_decay=s.weight_decay,
+                        seq_len=seq, steps=1, timing_warmup_steps=0, lr=s.lr, lr_decay_style="constant", weight_decay=s.weight_decay,
                         goldfish=Goldfish(s.goldfish_k, s.goldfish_h) if goldfish else None,
-                        metrics=metrics, seed=s.seed).validate("memorization")
+                        metrics=metrics, tensorboard=str(Path(s.out) / "tensorboard"),
+                        seed=s.seed).validate("memorization")
 
 
 def train_and_measure(s: StudySettings, docs: Documents, loss: str, seq: int, grid, micro: int,
@@ -386,7 +387,6 @@ def train_and_measure(s: StudySettings, docs: Documents, loss: str, seq: int, gr
             steps = steps_for(r, len(docs.train), s.global_batch) - done
             t0 = time.perf_counter()
             if steps > 0:
-                source.offset = done
                 with contextlib.redirect_stdout(io.StringIO()):  # the step lines go to the metrics file
                     summary = trainer.fit(steps)
                 done += steps
