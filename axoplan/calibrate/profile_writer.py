@@ -464,6 +464,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
     trainer's collectives and overlap; a refit on real runs starts from these."""
     import numpy as np
 
+    from axoplan.planner.execution import AXOPLAN
     from axoplan.planner.space import ORDERS
     from axoplan.loop.refit import RunSet, refit_profile
     from axoplan.planner.space import Candidates
@@ -485,7 +486,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
                        np.array([ORDERS.index(r["order"]) for r in rs], dtype=np.int8), col("micro_batch"),
                        np.zeros(len(rs), dtype=bool))
         idx = np.arange(len(measured), len(measured) + len(rs))
-        groups.append((model, Job(world, gb, seq).validate(), c, idx))
+        groups.append((model, Job(world, gb, seq).validate(), c, idx, AXOPLAN))  # the bundled trainer's steps
         measured += [r["seconds"] for r in rs]
         labels += [f"{model.name} {r['gx']}x{r['gy']}x{r['gz']}x{r['gdata']} {r['order']}" for r in rs]
     runs = RunSet(groups, np.array(measured, dtype=float), labels)
