@@ -131,7 +131,8 @@ def _label(param, ctx) -> str:  # the option as the user typed it, e.g. --gpus
     if param is None:
         return "value"
     opts = getattr(param, "opts", None)
-    return max(opts, key=len) if opts else param.name
+    long = [o for o in opts or () if o.startswith("--")]  # the first long name: an alias is listed after it
+    return long[0] if long else (max(opts, key=len) if opts else param.name)
 
 
 class Count(click.ParamType):

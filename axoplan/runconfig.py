@@ -274,10 +274,12 @@ def load_config(path: str | Path) -> LaunchConfig:
     return cfg
 
 
-def example_config_yaml() -> str:
-    """A complete example with every key at its default, commented for people."""
+def example_config_yaml(cfg: LaunchConfig | None = None, note: str = "") -> str:
+    """A complete example with every key at its default (or as `cfg` sets it), commented for people."""
     buf = io.StringIO()
     buf.write("# axoplan train config: every key with its default (axoplan train --print-config)\n")
-    buf.write(LaunchConfig(goldfish=None).to_yaml())
+    if note:
+        buf.write(f"# {note}\n")
+    buf.write((cfg or LaunchConfig(goldfish=None)).to_yaml())
     buf.write("# goldfish loss instead of the standard loss:\n# goldfish: {k: 4, h: 13}\n")
     return buf.getvalue()

@@ -397,6 +397,35 @@ def ablation(runs: list, profiles: dict) -> dict:
     return res
 
 
+UNCERTAINTY_FILE = Path(__file__).resolve().parent.parent / "axoplan" / "planner" / "data" / "time_uncertainty.json"
+
+
+def write_uncertainty(rows: list[dict], meta: dict) -> None:
+    """The expected error of a time prediction per regime (execution family x scale), leave one dataset out:
+    nothing here is fitted to the published runs, so each dataset is a source the model never saw; a regime's
+    expected error is the mean over its datasets of that dataset's mean |pred/meas - 1| (every source counts
+    once, however many rows it has). Read by axoplan/planner/uncertainty.py."""
+    from axoplan.atomic import atomic_write_text
+    from axoplan.planner.uncertainty import family, scale
+
+    cells: dict = {}
+    for r in rows:
+        for fam in (family(r["execution"]), "all"):
+            for sc in (scale(r["gpus"]), "all"):
+                cells.setdefault((fam, sc), {}).setdefault(r["dataset"], []).append(abs(r["ratio"] - 1))
+    regimes = []
+    for (fam, sc), by_ds in sorted(cells.items()):
+        per_ds = {ds: float(np.mean(e)) for ds, e in by_ds.items()}
+        regimes.append({"family": fam, "scale": sc, "expected_error": round(float(np.mean(list(per_ds.values()))), 4),
+                        "rows": sum(len(e) for e in by_ds.values()), "datasets": sorted(per_ds),
+                        "per_dataset": {ds: round(v, 4) for ds, v in sorted(per_ds.items())}})
+    doc = {"source": "benchmarks/published_fidelity.py --write-uncertainty: predicted vs published GPU runs, "
+                     "leave one dataset out (nothing is fitted to them); per regime the mean over datasets of each "
+                     "dataset's mean |predicted/measured - 1| of time per iteration",
+           "commit": meta["commit"], "date": meta["date"], "regimes": regimes}
+    atomic_write_text(UNCERTAINTY_FILE, json.dumps(doc, indent=1) + "\n")
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -411,6 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--excluded", action="store_true", help="list every row left out, with its reason")
     ap.add_argument("--worst", type=int, default=3, help="worst rows shown per dataset")
     ap.add_argument("--ablate", action="store_true", help="also each GPU mechanism's share (physics off / one on)")
+    ap.add_argument("--write-uncertainty", action="store_true",
+                    help=f"write the expected error per regime that rank and explain state ({UNCERTAINTY_FILE})")
     args = ap.parse_args(argv)
 
     profiles = machine_profiles()
@@ -425,7 +456,8 @@ def main(argv=None) -> int:
         rows.append({"dataset": run.dataset, "source": run.source, "label": run.label, "group": run.group,
                      "grid": "x".join(map(str, run.grid)) + (f" pp{run.pp}" if run.pp > 1 else "")
                      + (f"v{run.vpp}" if run.vpp else ""), "seq_len": run.seq_len, "global_batch": run.global_batch,
-                     "measured_s": run.measured_s, "notes": run.notes, **p})
+                     "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
+                     "execution": run.execution.name, **p})
     datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
     summary = {ds: summarise([r for r in rows if r["dataset"] == ds]) for ds in datasets}
     for ds in datasets:
@@ -434,6 +466,9 @@ def main(argv=None) -> int:
         summary[ds]["worst"] = sorted(ok, key=lambda r: -abs(np.log(r["ratio"])))[:args.worst]
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
     abl = ablation(runs, profiles) if args.ablate else None
+    if args.write_uncertainty:
+        write_uncertainty([r for r in rows if "ratio" in r], meta)
+        print(f"wrote {UNCERTAINTY_FILE.relative_to(DATA.parent.parent)}", file=sys.stderr)
     layers = layer_times(profiles)
 
     if args.format == "json":

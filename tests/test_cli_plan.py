@@ -18,7 +18,8 @@ from axoplan.cli.main import main
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
-           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact"]
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
+           "tied", "expected_error"]
 
 
 @pytest.fixture
@@ -206,3 +207,52 @@ def test_real_process_exit_code_and_stderr(model_yaml, pm_path):
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert [r["rank"] for r in json.loads(ok.stdout)] == [1, 2]
+
+
+def test_one_option_vocabulary_across_commands(cli, job):
+    """A count of candidates is --top everywhere (validate's --top-k an alias); every command that plans or runs
+    a configuration takes --execution, and those running the bundled trainer refuse another in one sentence."""
+    import click
+
+    from axoplan.cli.main import cli as group
+
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        for p in group.get_command(ctx, name).params:
+            if "top" in p.name:
+                assert p.opts[0] == "--top", (name, p.opts)
+        if name in ("rank", "explain", "scale", "validate", "dryrun"):
+            assert "--execution" in [o for p in group.get_command(ctx, name).params for o in p.opts], name
+    validate = group.get_command(ctx, "validate")
+    for alias in ("--top", "--top-k", "-k"):
+        assert validate.make_context("validate", [alias, "3"]).params["top_k"] == 3
+    for command, extra in (("validate", ["--top", "3"]), ("dryrun", ["--grid", "1,1,16,1"])):
+        code, out, err = cli(command, *job, *extra, "--execution", "megatron-core")
+        assert_user_error(code, out, err, "runs the bundled trainer", "megatron-core")
+
+
+def test_tables_fit_100_columns_names_whole_units_scaled(cli, monkeypatch):
+    """At 100 columns: every line fits, every profile and model name is printed whole, the rank table leaves
+    out columns by priority and says which, and CPU-sized numbers read in MiB and GFLOP/s."""
+    from axoplan.planner.machine import profile_names
+    from axoplan.planner.specs import preset_names
+
+    monkeypatch.setenv("COLUMNS", "100")
+    for command, names in (("profiles", profile_names()), ("models", preset_names())):
+        code, out, err = cli(command)
+        assert code == 0, err
+        assert max(len(x) for x in out.splitlines()) <= 100, out
+        cells = {x.split("│")[1].strip() for x in out.splitlines() if x.startswith("│")}
+        assert set(names) <= cells, (command, set(names) - cells)
+    code, out, err = cli("rank", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "4",
+                         "--global-batch", "16", "--top", "3")
+    assert code == 0, err
+    assert max(len(x) for x in out.splitlines()) <= 100, out
+    assert "mem MiB" in out and "mem GiB" not in out and "left out to fit 100 columns: GFLOP/s/GPU" in out
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = cli("rank", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "4",
+                         "--global-batch", "16", "--top", "3")
+    assert "GFLOP/s/GPU" in out and "left out" not in out
+    code, out, err = cli("rank", "--model", "gpt-20b", "--machine", "perlmutter", "--gpus", "64",
+                         "--global-batch", "512", "--top", "3")
+    assert "mem GiB" in out and "TFLOP/s/GPU" in out

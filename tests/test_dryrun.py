@@ -63,7 +63,9 @@ def test_cli_json_is_the_fixed_schema(capsys):
               "--grid", "2,2,2,1", "--micro-batch", "2", "--checkpointing", "on", "--format", "json"])
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
-    assert {"predicted_memory_gib", "traced_memory_gib", "memory_by_kind", "collectives"} <= set(out)
+    assert {"predicted_memory_gib", "traced_memory_gib", "memory_by_kind", "collectives", "fits",
+            "available_gib"} <= set(out)
+    assert out["fits"] is True and out["available_gib"] == pytest.approx(5.885 - 0.26)
     assert set(out["memory_by_kind"]["states"]) == {"predicted", "traced"}
     assert set(out["collectives"][0]) == {"layer", "kind", "axis", "predicted_calls", "traced_calls",
                                           "predicted_bytes", "traced_bytes"}
@@ -108,3 +110,31 @@ def test_blocks_padded_to_z_move_their_padding():
     r = compare("gpt-tiny", "localhost-cpu", 24, 48, (1, 1, 24, 1), micro_batch=1, checkpointing=True)
     z = [c for c in r["collectives"] if c["axis"] == "z"]
     assert z and all(c["predicted_bytes"] == c["traced_bytes"] and c["predicted_calls"] == c["traced_calls"] for c in z)
+
+
+def test_a_configuration_that_does_not_fit_says_so_and_strict_exits_1(capsys, tmp_path):
+    """The verdict is the traced peak against capacity less headroom: exit 0 with a clear line, 1 with --strict."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "machine_profiles"
+    for f in src.glob("localhost-cpu*"):
+        shutil.copy(f, tmp_path / f.name)
+    prof = tmp_path / "localhost-cpu.yaml"
+    text = prof.read_text()
+    assert "capacity_gib: 5.885, headroom_gib: 0.26" in text
+    prof.write_text(text.replace("capacity_gib: 5.885, headroom_gib: 0.26", "capacity_gib: 0.0012, headroom_gib: 0.0005"))
+    args = ["dryrun", "--model", "gpt-tiny", "--machine", str(prof), "--gpus", "4", "--global-batch", "8",
+            "--grid", "1,2,2,1", "--micro-batch", "1"]
+    for extra, code in (([], 0), (["--strict"], 1)):
+        with pytest.raises(SystemExit) as e:
+            main(args + extra)
+        assert e.value.code == code
+        out = " ".join(capsys.readouterr().out.split())  # the verdict is the last line, however it wraps
+        verdict = out[out.rindex("does NOT fit"):]
+        assert verdict.startswith("does NOT fit: traced 0.00") and "over the 0.0007 GiB available" in verdict
+        assert verdict.endswith("or a smaller micro-batch")  # the last thing printed
+    with pytest.raises(SystemExit):
+        main(args + ["--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["available_gib"] == pytest.approx(0.0007)

@@ -14,7 +14,8 @@ from conftest import tiny_model
 # fixed from issue 2 on: written out here, not imported, so a change to rank.COLUMNS fails this test
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
-           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact"]
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
+           "tied", "expected_error"]
 
 
 @pytest.fixture

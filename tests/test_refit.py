@@ -106,8 +106,9 @@ def test_one_node_runs_cannot_fit_inter_node_bandwidth(tmp_path, write_profile, 
     assert "inter_bw_scale" not in chosen  # no group leaves the node: it changes no prediction
 
 
-def test_refit_cli_never_edits_the_old_profile(setup, capsys):
+def test_refit_cli_never_edits_the_old_profile(setup, capsys, monkeypatch):
     tmp, model, prof = setup
+    monkeypatch.setenv("AXOPLAN_PROGRESS", "1")  # progress lines although stderr is not a terminal
     res = tmp / "results.csv"
     synthetic_results(res, model, prof, TRUE, [(8, 32)], every=2)
     before = prof.read_text()
@@ -117,9 +118,14 @@ def test_refit_cli_never_edits_the_old_profile(setup, capsys):
     with pytest.raises(SystemExit) as e:
         main(["refit", "--results", str(res), "--machine", str(prof), "--out", str(tmp / "new.yaml"),
               "--params", "gemm_scale,latency_scale"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert e.value.code == 0 and "leave-one-out" in out and "gemm_scale" in out
     assert prof.read_text() == before
+    # progress on stderr through the fits (stdout keeps the report alone)
+    stages = [x for x in captured.err.splitlines() if x.startswith("refit: ")]
+    assert any("fitting gemm_scale, latency_scale" in x for x in stages)
+    assert any("leave-one-out fits 1/" in x for x in stages)
     with pytest.raises(SystemExit) as e:
         main(["refit", "--results", str(res), "--machine", str(prof), "--out", str(tmp / "n2.yaml"), "--params", "bogus"])
     assert e.value.code == 2 and "unknown correction" in capsys.readouterr().err

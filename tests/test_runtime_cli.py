@@ -29,6 +29,24 @@ def test_print_config_is_a_complete_config(tmp_path):
     assert load_config(p) == LaunchConfig()
 
 
+def test_print_config_for_n_ranks_is_a_config_those_ranks_run(tmp_path):
+    """The README's `--print-config --gpus 4` then torchrun with 4 processes: the grid matches, the batch divides."""
+    from axoplan.runconfig import load_config
+    from axoplan.runtime.train import check_config
+
+    r = _run(CLI + ["--print-config", "--gpus", "12", "--model", "gpt-small"])
+    assert r.returncode == 0, r.stderr
+    p = tmp_path / "c.yaml"
+    p.write_text(r.stdout)
+    cfg = load_config(p)
+    assert cfg.model == "gpt-small" and cfg.grid.size == 12 and cfg.global_batch == 12
+    check_config(cfg, 12)
+    with pytest.raises(Exception, match="print-config --gpus 4' or start 12"):
+        check_config(cfg, 4)
+    r = _run(CLI + ["--gpus", "4"])
+    assert r.returncode == 2 and r.stderr.startswith("error: --gpus shapes the printed example")
+
+
 def test_world_of_one_trains_and_writes_metrics(tmp_path):
     # the YAML says 9 steps and lr 1e-9; the command line's --steps, --lr, --out and --log-every win
     cfg = {"model": "gpt-tiny", "steps": 9, "timing_warmup_steps": 1, "global_batch": 4, "micro_batch": 2,

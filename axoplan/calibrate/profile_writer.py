@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from axoplan import progress
 from axoplan.atomic import atomic_write_text
 
 from axoplan.calibrate.fit import (
@@ -332,6 +333,17 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
     return net, fit_rows, summary, coll_rows
 
 
+def _device_section(meta: dict, tag: str) -> dict:
+    """What the profile was measured on, which validate, train and calibrate compare with where they run."""
+    if meta.get("cuda"):
+        return {"name": meta["device"], "count": int(meta["ranks_per_node"]),
+                "source": f"{tag}; torch.cuda.get_device_name, one GPU per rank on each node"}
+    dev = {"name": meta["device"], "source": f"{tag}; /proc/cpuinfo model name and os.cpu_count() of the host"}
+    if meta.get("cpu_count"):
+        dev["count"] = int(meta["cpu_count"])
+    return dev
+
+
 def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
     """network.protocols for a GPU run across nodes: NCCL's default rows for the GPU generation and host CPU
     the worker recorded, their latencies scaled and the plateau fitted to the groups that cross nodes (the
@@ -366,13 +378,17 @@ def _human(n: int) -> str:
 
 def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: str, bare: dict):
     """Per kernel the trainer dispatches, and per element-wise byte: each measured step less what the
-    planner models for its GEMMs and attention, split by non-negative least squares into
+    planner models for its GEMMs and attention, split by bounded least squares into
     kernels x overhead + element-wise time x s. The kernel and element-wise terms are the planner's own,
     found by evaluating it with a launch cost of 0 and 1 us and with element-wise bandwidth 1x and
-    1e6x, so the counts never drift from the cost model. s rescales the element-wise efficiency."""
+    1e6x, so the counts never drift from the cost model. s rescales the element-wise efficiency.
+
+    The overhead is bounded below by a bare op's dispatch (every kernel the trainer issues pays at least
+    that), so steps no longer than their modelled arithmetic (a GEMM table that stops short of their
+    shapes models them slow) give the floor with a note instead of no profile."""
 
     import numpy as np
-    from scipy.optimize import nnls
+    from scipy.optimize import lsq_linear
 
     from axoplan.planner.batch import evaluate
     from axoplan.planner.space import Candidates
@@ -382,7 +398,7 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
 
     prof = _load(profile, files)
     one = np.ones(1, dtype=np.int64)
-    A, y, details = [], [], []
+    A, base, sec, details = [], [], [], []
     for r in rows:
         model = tiny_model(r["layers"], r["hidden"], r["heads"], r["vocab"], r["seq"])
         job = Job(1, r["grad_acc"] * r["micro_batch"], r["seq"])
@@ -392,30 +408,38 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
             p = prof.replace(kernel_overhead=oh, elementwise_efficiency=prof.elementwise_efficiency * ew)
             return float(evaluate(model, p, job, c).batch_time[0])
 
-        base = t(0.0, 1e6)
-        kernels = (t(1e-6, 1e6) - base) / 1e-6
-        ew = t(0.0, 1.0) - base
-        A.append([kernels, ew])
-        y.append(r["seconds"] - base)
+        b = t(0.0, 1e6)
+        A.append([(t(1e-6, 1e6) - b) / 1e-6, t(0.0, 1.0) - b])
+        base.append(b)
+        sec.append(r["seconds"])
         details.append(f"{r['layers']} layer(s), hidden {r['hidden']}, {r['grad_acc']} x {r['micro_batch']} x "
                        f"{r['seq']} tokens: {r['seconds'] * 1e3:.2f} ms")
-    A, y = np.array(A), np.array(y)
-    (oh, s), _ = nnls(A / y[:, None], np.ones(len(y)))  # relative errors: every model counts alike
-    if oh <= 0:
-        raise CalibrationError("the trainer's tiny steps took no longer than their modelled arithmetic; "
-                               "the framework overhead cannot be derived")
-    pred = A @ np.array([oh, s])
-    err = float(np.sqrt(np.mean((pred / y - 1) ** 2)))
+    A, base, sec = np.array(A), np.array(base), np.array(sec)
+    floor = bare["us"] * 1e-6
+    # relative error of each whole step: every model counts alike, and a step faster than its modelled
+    # arithmetic (negative remainder) still weighs as itself
+    fit = lsq_linear(A / sec[:, None], (sec - base) / sec, bounds=([floor, 0.0], [np.inf, np.inf]))
+    oh, s = (float(v) for v in fit.x)
+    pred = base + A @ np.array([oh, s])
+    err = float(np.sqrt(np.mean((pred / sec - 1) ** 2)))
     eff = prof.elementwise_efficiency * (1.0 / s if s > 0 else 1e3)
+    fast = int(np.sum(sec <= base))
+    at_floor = oh <= floor * (1 + 1e-6)
+    note = ""
+    if at_floor:
+        note = (f"; the steps' time is explained without a cost above a bare op's dispatch ({fast} of {len(rows)} "
+                f"no longer than their modelled GEMM and attention, which a GEMM table short of their shapes "
+                f"overestimates), so the overhead is that floor")
     how = (f"{tag}; the bundled trainer's whole optimizer steps on {len(rows)} small GPT models (grid of one, all "
            f"ranks at once: {'; '.join(details)}) less the modelled GEMM and attention time, fitted as kernels x "
-           f"overhead + element-wise bytes / (bandwidth x efficiency) with the planner's counts (rms error "
-           f"{err:.0%})")
+           f"overhead + element-wise bytes / (bandwidth x efficiency) with the planner's counts, the overhead at "
+           f"least a bare op's dispatch (rms error {err:.0%}){note}")
     oh_entry = {"value": _r(oh * 1e6, 3), "source": f"{how}. The dispatch of a bare op on 8 elements "
                 f"({bare['ops']}) is {bare['us']:.3g} us: the rest is autograd and Python"}
     return oh_entry, _r(eff, 3), how, {"kernel_overhead_us": oh * 1e6, "bare_op_us": bare["us"],
                                         "framework_rms_rel_err": err, "elementwise_efficiency": eff,
-                                        "elementwise_efficiency_ops": prof.elementwise_efficiency}
+                                        "elementwise_efficiency_ops": prof.elementwise_efficiency,
+                                        "framework_overhead_at_floor": at_floor}
 
 
 # what the trainer's steps on parallel grids decide; GEMM and element-wise rates are measured directly
@@ -440,6 +464,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
     trainer's collectives and overlap; a refit on real runs starts from these."""
     import numpy as np
 
+    from axoplan.planner.execution import AXOPLAN
     from axoplan.planner.space import ORDERS
     from axoplan.loop.refit import RunSet, refit_profile
     from axoplan.planner.space import Candidates
@@ -461,7 +486,7 @@ def trainer_part(rows: list[dict], profile: dict, files: dict[str, str], tag: st
                        np.array([ORDERS.index(r["order"]) for r in rs], dtype=np.int8), col("micro_batch"),
                        np.zeros(len(rs), dtype=bool))
         idx = np.arange(len(measured), len(measured) + len(rs))
-        groups.append((model, Job(world, gb, seq).validate(), c, idx))
+        groups.append((model, Job(world, gb, seq).validate(), c, idx, AXOPLAN))  # the bundled trainer's steps
         measured += [r["seconds"] for r in rs]
         labels += [f"{model.name} {r['gx']}x{r['gy']}x{r['gz']}x{r['gdata']} {r['order']}" for r in rs]
     runs = RunSet(groups, np.array(measured, dtype=float), labels)
@@ -501,11 +526,13 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     if meta.get("status") != "complete":
         raise CalibrationError(f"the calibration run in {results.path} did not finish")
     tag = run_tag(meta)
+    progress.step("GEMM, memory and attention")
     gemm, peak, table, s1 = gemm_part(results.rows("gemm"), part_tag(meta, "gemm"), table_name,
                                       peak_from_ceiling=not meta.get("cuda"))
     mem, overhead, s2 = memory_part(results.rows("memory"), meta, part_tag(meta, "memory"))
     attn_rows = results.rows("attention")
     att, s3 = attention_part(attn_rows, part_tag(meta, "attention"), f"{name}_attention.csv")
+    progress.step("collectives: latency and bandwidth per group shape")
     net, fit_rows, s4, coll_rows = network_part(results.rows("collectives"), meta, part_tag(meta, "collectives"),
                                                 f"{name}_collectives.csv")
     nodes = meta.get("nodes", 1)
@@ -517,7 +544,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
                         + (f", {meta['threads_per_rank']} thread(s) each on {meta['cpu_count']} cores"
                            if not meta.get("cuda") else "")
                         + f", {meta['dtype']}; measured by axoplan calibrate {meta['date']}"),
-        "device": meta["device"],
+        "device": _device_section(meta, tag),
         "kind": "gpu" if meta.get("cuda") else "cpu",
         "dtype": meta["dtype"],
         "gpus_per_node": {"value": meta["ranks_per_node"],
@@ -555,6 +582,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
     fw_rows = results.rows("framework")
     if fw_rows:
         bare = {"us": overhead["value"], "ops": overhead["source"].split("(")[-1].split(")")[0]}
+        progress.step("the trainer's kernel overhead")
         oh, eff, how, s5 = framework_part(fw_rows, profile, built.files(), part_tag(meta, "framework"), bare)
         profile["compute"]["kernel_overhead_us"] = oh
         mem = profile["memory"]
@@ -564,6 +592,7 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
         summary.update(s5)
     tr_rows = results.rows("trainer")
     if tr_rows:
+        progress.step("the trainer's corrections")
         fitted, how, s6 = trainer_part(tr_rows, profile, built.files(), part_tag(meta, "trainer"), meta["world"])
         profile["corrections"] = {**profile["corrections"], **fitted, "source": how}
         summary.update(s6)

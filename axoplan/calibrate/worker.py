@@ -128,14 +128,9 @@ def _loadavg() -> list[float] | None:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
+    from axoplan.device import cpu_name
+
+    return cpu_name()
 
 
 def _cpu_vendor() -> str:

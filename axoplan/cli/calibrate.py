@@ -208,7 +208,8 @@ def _validate_written(built, results: Path, out: Path) -> None:
                             f"schema check ({why})") from None
 
 
-def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False) -> None:
+def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False,
+                   fit_s: float | None = None) -> None:
     s = built.summary
     if added:  # this command measured only the added parts: their loads and time are the ones to show
         from axoplan.calibrate.profile_writer import added_runs
@@ -226,7 +227,8 @@ def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bo
     click.echo(f"wrote {out} (GEMM table {out.parent / built.profile['compute']['gemm']['table']['path']})")
     if wall_s is not None:
         click.echo(f"  calibration took {wall_s:.0f} s (workers {meta.get('elapsed_s')} s"
-                   + (f", parts {', '.join(meta.get('parts', []))})" if added else ")"))
+                   + (f", parts {', '.join(meta.get('parts', []))})" if added else ")")
+                   + (f", fitting {fit_s:.0f} s" if fit_s is not None else ""))
     click.echo(f"  GEMM ceiling      {s['gemm_ceiling_tflops'] * 1e3:.1f} GFLOP/s per rank "
                f"({s['gemm_ceiling_shape']}), "
                f"dim_half {s['dim_half']:.0f}")
@@ -367,6 +369,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
                         "name another folder with --results") as lock:
             # workers a killed calibration left running would share the cores with ours and write its folder
             lock.end_orphans(click.echo)
+            if parts is not None:  # under the lock: a refusal above stays the one line on stderr
+                from axoplan.device import results_mismatch, warn
+
+                warn(results_mismatch(results_p, cuda))
             run = {"env_extra": lock.env()}
             if parts is not None or _complete(results_p):
                 # the complete run there stays whole until this one has finished: measured beside it, then
@@ -406,9 +412,13 @@ def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, 
     from axoplan.calibrate.profile_writer import CalibrationError, fits_csv
     from axoplan.calibrate.results_io import ResultsDir
 
+    from axoplan import progress
+
     rd = ResultsDir(results_p)
+    t0 = time.perf_counter()
     try:
-        built = profile_writer.build(rd, name, f"{name}_gemm.csv")
+        with progress.on_stderr("fitting the profile"):
+            built = profile_writer.build(rd, name, f"{name}_gemm.csv")
     except CalibrationError as e:
         raise UserError(f"cannot make a profile from {results_p}: {e}") from None
     _validate_written(built, results_p, out_p)
@@ -422,4 +432,4 @@ def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, 
         if isinstance(e, UserError):  # already one sentence naming the file
             raise
         raise UserError(f"cannot write '{e.filename or out_p}': {(e.strerror or str(e)).lower()}") from None
-    _print_summary(out_p, built, wall, rd.meta(), added=bool(parts))
+    _print_summary(out_p, built, wall, rd.meta(), added=bool(parts), fit_s=time.perf_counter() - t0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from axoplan import inputs
-from axoplan.cli.plan import parse_grid, parse_pp, pipeline_options
+from axoplan.cli.plan import bundled_execution, execution_option, parse_grid, parse_pp, pipeline_options
 from axoplan.errors import UserError
 from axoplan.planner.space import ORDERS
 
@@ -181,9 +181,32 @@ def _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_l
 
 
 # ---- validate ---------------------------------------------------------------------------------------
+MIN_TIED_RUNS = 3  # fewer cannot score a ranking (Kendall tau, best in top 3)
+
+
+def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing) -> int:
+    """How many distinct grids/orders validate runs by default: those the ranking calls tied with the best
+    (the evidence cannot order them), at least MIN_TIED_RUNS; said in one line."""
+    from axoplan.loop.validate import distinct_configs
+    from axoplan.planner.rank import ranking
+
+    r = ranking(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
+                checkpointing=checkpointing)
+    plan = distinct_configs(r.frame())
+    tied = int(plan["tied"].astype(bool).sum())
+    n = min(len(plan), max(MIN_TIED_RUNS, tied))
+    err = r.uncertainty.expected_error if r.uncertainty else None
+    within = f"within +/-{100 * err:.0f}%, the expected error," if err is not None else "(no expected error known)"
+    click.echo(f"validating {n} grid(s)/order(s): the best, the {max(tied - 1, 0)} tied with it {within} and "
+               f"the next ones up to {MIN_TIED_RUNS} (--top K or --all for more)")
+    return n
+
+
 @click.command("validate")
 @_job_options
-@click.option("--top-k", "-k", type=int, default=5, show_default=True, help="Run the K best distinct grids/orders.")
+@click.option("--top", "--top-k", "-k", "top_k", type=inputs.Count(1), default=None,
+              help="Run the K best distinct grids/orders (--top-k: the same). Default: those tied with the best "
+                   "(within the expected error of its time), at least 3.")
 @click.option("--all", "run_all", is_flag=True, help="Run every feasible grid and order.")
 @click.option("--steps", type=int, default=10, show_default=True, help="Training steps per run.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Steps left out of the median.")
@@ -199,10 +222,13 @@ def _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_l
 @click.option("--collect", "collect_dir", default=None, type=click.Path(file_okay=False),
               help="Score a --slurm sweep's runs in this folder, or read back one emitted run folder "
                    "(any --framework) into its results.csv.")
+@execution_option
 def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
-             micro_batch, checkpointing, out, resume, slurm, collect_dir):
+             micro_batch, checkpointing, out, resume, slurm, collect_dir, execution):
     """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
     from axoplan.loop import validate as sweeps
+
+    bundled_execution(execution, "validate")
 
     if collect_dir is not None:
         from axoplan.loop.run_logs import collect_run, is_run_folder
@@ -215,6 +241,12 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
         sweeps.collect(collect_dir, echo=click.echo)
         return
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
+    from axoplan.device import mismatch, warn
+    from axoplan.planner.machine import load_profile
+
+    warn(mismatch(load_profile(machine)))  # the runs measure this machine, the ranking is the profile's
+    if top_k is None and not run_all:
+        top_k = _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing)
     sw = sweeps.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
                  micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)
@@ -245,6 +277,9 @@ def refit(results, machine, out, params, no_loo):
     from axoplan.loop.refit import refit as refit_api
 
     ps = "auto" if params.strip() == "auto" else [p.strip() for p in params.split(",") if p.strip()]
-    r = refit_api(list(results), machine, out, ps, loo=not no_loo)
+    from axoplan import progress
+
+    with progress.on_stderr("refit"):
+        r = refit_api(list(results), machine, out, ps, loo=not no_loo)
     click.echo(format_report(r))
     click.echo(f"wrote {out}")

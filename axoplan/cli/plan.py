@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from axoplan import inputs
+from axoplan.cli import tablefit
 from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
 from axoplan.planner.pipeline import SCHEDULES
@@ -25,12 +26,10 @@ from axoplan.planner.specs import load_model, preset_names
 
 def _console(buf: io.StringIO | None = None) -> Console:
     # emoji=False: a table of numbers and names never turns ':name:' into an emoji (nor loads rich's emoji codes)
+    # one width for the terminal and for piped output: tablefit.width (the terminal's, $COLUMNS or 100)
     if buf is not None:
-        return Console(file=buf, width=160, color_system=None, highlight=False, emoji=False)
-    import sys
-
-    # piped output (a file, a pager, CI logs) gets wide tables rather than rich's 80-column fallback
-    return Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
+        return Console(file=buf, width=tablefit.width(), color_system=None, highlight=False, emoji=False)
+    return Console(highlight=False, emoji=False, width=tablefit.width())
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -63,7 +62,18 @@ def models():
         params = f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.2f}M"
         t.add_row(n, params, str(m.n_layers), str(m.hidden), str(m.n_heads), str(m.kv_heads), str(m.ffn),
                   str(m.vocab), str(m.seq_len), m.mlp, m.description)
-    _console().print(t)
+    _print_fitted(t, ["description", "mlp", "kv", "seq"])
+
+
+def _print_fitted(t: Table, drop_first: list[str], wrap: tuple[str, ...] = ()) -> None:
+    """Print a listing whose first column is the name to type: never cut, columns left out by priority."""
+    cols = tablefit.width()
+    tablefit.keep_whole(t, t.columns[0].header)
+    note = tablefit.dropped_note(tablefit.fit(t, cols, drop_first, wrap), cols)
+    con = _console()
+    con.print(t)
+    if note:
+        con.print(note)
 
 
 @click.command("profiles")
@@ -83,7 +93,8 @@ def profiles():
         t.add_row(name, p.device, str(p.gpus_per_node), f"{p.mem_capacity / 2**30:.0f}", f"{p.peak_tflops:.4g}",
                   f"{p.gemm_ceiling / 1e12:.4g}", "yes" if p.gemm_table is not None else "curve", intra,
                   f"{p.inter_busbw / 1e9:.1f}", str(path))
-    _console().print(t)
+    _print_fitted(t, ["path", "GEMM table", "inter busbw GB/s", "GEMM ceiling", "intra busbw GB/s"],
+                  wrap=("intra busbw GB/s", "path", "device"))
 
 
 def _common(f):
@@ -107,6 +118,31 @@ def execution_option(f):
                         help=f"Framework execution: {', '.join(EXECUTIONS)}, or a YAML file of its fields.")(f)
 
 
+def bundled_execution(execution: str, command: str) -> None:
+    """Commands that run the bundled trainer (validate, dryrun) take --execution for one vocabulary with the
+    planning commands; another framework's execution is one sentence, not a run of the wrong trainer."""
+    from axoplan.planner.execution import load_execution
+
+    ex = load_execution(execution)
+    if not ex.bundled:
+        raise UserError(f"--execution {ex.name}: '{command}' runs the bundled trainer, whose execution is "
+                        f"'axoplan'; rank, explain and scale plan for {ex.name}")
+
+
+def _units(cols) -> tuple[float, str, float, str]:
+    """MiB and GFLOP/s when every listed value is below 1 GiB / 1 TFLOP/s (CPU models), else GiB and TFLOP/s."""
+    mem, tf = np.asarray(cols["memory_gib"], dtype=float), np.asarray(cols["tflops_per_gpu"], dtype=float)
+    mem, tf = mem[np.isfinite(mem)], tf[np.isfinite(tf)]
+    small_mem = mem.size > 0 and float(mem.max()) < 1
+    small_tf = tf.size > 0 and float(tf.max()) < 1
+    return ((1024.0, "mem MiB") if small_mem else (1.0, "mem GiB")) + (
+        (1000.0, "GFLOP/s/GPU") if small_tf else (1.0, "TFLOP/s/GPU"))
+
+
+# the rank table's columns left out first when it is wider than the terminal (csv/json keep them all)
+RANK_DROP_FIRST = ["TFLOP/s/GPU", "GFLOP/s/GPU", "compute s", "order", "exposed comm s", "ckpt"]
+
+
 def pipeline_label(pp, vpp, schedule) -> str:
     """A pipeline in one cell: '-' without one, '4' for 1f1b over 4 stages, '4 v2' interleaved with 2 per rank."""
     if pp == 1:
@@ -119,9 +155,10 @@ def _table(cols, title: str) -> Table:
     columns (pp, with vpp where interleaved, and its bubble) where a row has one."""
     t = Table(title=title)
     piped = bool(np.any(np.asarray(cols["pp"]) > 1))
+    mem_scale, mem_head, fl_scale, fl_head = _units(cols)
     heads = ["rank", "gx x gy x gz x gdata", "order"] + (["pp"] if piped else []) + [
         "mbs", "ckpt", "batch s", "compute s", "exposed comm s"] + (["bubble s"] if piped else []) + [
-        "mem GiB", "TFLOP/s/GPU", "% peak"]
+        mem_head, fl_head, "% peak"]
     reasons = not np.all(cols["feasible"])
     if reasons:
         heads.append("reason")
@@ -130,12 +167,14 @@ def _table(cols, title: str) -> Table:
     names = ("rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
              "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason", "pp", "vpp",
              "schedule", "bubble_s")
+    tie = np.asarray(cols["tied"], dtype=bool) if "tied" in cols else np.zeros(len(cols["rank"]), dtype=bool)
+    # times to 3 significant digits: the published evidence puts their error at several percent
     for (rk, gx, gy, gz, gdata, order, mbs, ckpt, bt, comp, exp, mem, tf, pct, ok, why, pp, vpp, sch,
-         bub) in zip(*(cols[n] for n in names)):
-        row = [str(rk) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order] + (
+         bub), tied in zip(zip(*(cols[n] for n in names)), tie):
+        row = [(str(rk) + ("~" if tied and rk != 1 else "")) if ok else "-", f"{gx} x {gy} x {gz} x {gdata}", order] + (
             [pipeline_label(pp, vpp, sch)] if piped else []) + [
-            str(mbs), "on" if ckpt else "off", f"{bt:.4g}", f"{comp:.4g}", f"{exp:.4g}"] + (
-            [f"{bub:.3g}"] if piped else []) + [f"{mem:.1f}", f"{tf:.1f}", f"{pct:.1f}"]
+            str(mbs), "on" if ckpt else "off", f"{bt:.3g}", f"{comp:.3g}", f"{exp:.3g}"] + (
+            [f"{bub:.3g}"] if piped else []) + [f"{mem * mem_scale:.1f}", f"{tf * fl_scale:.1f}", f"{pct:.1f}"]
         if reasons:
             row.append(why)
         t.add_row(*row)
@@ -202,7 +241,18 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
         return
     title = (f"{r.model.name} on {gpus} x {r.profile.name} GPUs, global batch {global_batch} x {r.job.seq_len} tokens: "
              f"{r.candidates} candidates, {r.feasible} feasible, ranked in {dt * 1e3:.0f} ms")
-    parts = [_table(r.columns, title)]
+    table = _table(r.columns, title)
+    width = tablefit.width()
+    parts = [table]
+    note = tablefit.dropped_note(tablefit.fit(table, width, RANK_DROP_FIRST, wrap=("reason",)), width,
+                                 ", --format csv all")
+    if note:
+        parts.append(note)
+    if r.uncertainty is not None:
+        n_tied = int(np.sum(np.asarray(r.columns["tied"], dtype=bool))) - 1
+        parts.append(r.uncertainty.show() + (
+            f"; ~ marks the {n_tied} listed configuration{'s' * (n_tied != 1)} within it of the best (tied: the "
+            "evidence cannot order them; validate runs them)" if n_tied > 0 else ""))
     if r.extrapolated_gemms:
         parts.append(f"note: {r.extrapolated_gemms} listed configurations use GEMM shapes outside the "
                      f"profile's measured table (extrapolated)")
@@ -263,7 +313,10 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
                "execution": dataclasses.asdict(ex.execution)}
         _emit(json.dumps(out, indent=1) + "\n", output)
         return
-    parts = [_table(ex.summary, "configuration")]
+    width = tablefit.width()
+    conf = _table(ex.summary, "configuration")
+    parts = [conf]
+    left = tablefit.fit(conf, width, RANK_DROP_FIRST)
     t = Table(title="collectives per step (time per call from bytes / bus bandwidth + latency)")
     for col in ("layer", "phase", "collective", "axis", "group", "stride", "MiB/call", "busbw GB/s", "ms/call",
                 "calls", "total s"):
@@ -271,6 +324,7 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
     for r in ex.collectives.itertuples(index=False):
         t.add_row(r.layer, r.phase, r.collective, r.axis, str(r.group_size), str(r.stride), f"{r.bytes / 2**20:.3g}",
                   f"{r.busbw_gbs:.1f}", f"{r.time_per_call_s * 1e3:.3g}", str(r.calls_per_step), f"{r.total_s:.4g}")
+    left += tablefit.fit(t, width, ["stride", "busbw GB/s", "MiB/call", "axis"])
     parts.append(t)
     w = Table(title="layer windows per step (compute vs window time; the difference is exposed communication)")
     for col in ("pass", "layer", "x per micro-batch", "compute s", "window s", "exposed comm s"):
@@ -286,4 +340,9 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
         mtab.add_row(r.kind, f"{r.gib:.2f}")
     parts.append(mtab)
     parts += [f"note: {n}" for n in ex.notes]
+    note = tablefit.dropped_note(left, width, ", --format json all")
+    if note:
+        parts.append(note)
+    if ex.uncertainty is not None:
+        parts.append(ex.uncertainty.show())
     _emit(_render(parts), output)

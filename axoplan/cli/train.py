@@ -52,6 +52,24 @@ def apply_overrides(cfg, given: dict, where: str):
     return dataclasses.replace(cfg, **changes).validate(where) if changes else cfg
 
 
+def example_for(gpus: int | None, given: dict):
+    """The printed example for `gpus` ranks: every rank data parallel (the one grid every model divides), the
+    global batch the smallest multiple of the ranks not below the default; the other options shape it too."""
+    from axoplan.runconfig import Grid, LaunchConfig
+
+    cfg, note = LaunchConfig(goldfish=None), ""
+    if given.get("model") is not None:
+        from axoplan.planner.specs import load_model
+
+        load_model(given["model"])  # an unknown model is one error sentence now, not at the run
+    if gpus is not None:
+        cfg.grid = Grid(gdata=gpus)
+        cfg.global_batch = gpus * -(-cfg.global_batch // gpus)
+        note = (f"grid: {gpus} data-parallel ranks, for torchrun --nproc-per-node {gpus}; "
+                "'axoplan emit' writes the planner's best grid instead")
+    return apply_overrides(cfg, given, "the printed example"), note
+
+
 @click.command("train")
 @click.option("--config", "config_path", type=SafePath(dir_okay=False),
               help="Run config YAML (a LaunchConfig); without it, the defaults of --print-config.")
@@ -70,14 +88,19 @@ def apply_overrides(cfg, given: dict, where: str):
               help="Override checkpoint_every (a sharded checkpoint every N steps; 0: none).")
 @click.option("--resume", is_flag=True, default=None,
               help="Continue from the newest checkpoint in checkpoint_dir (same grid); none yet: start at 0.")
-def train(config_path, print_config, **given):
+@click.option("--gpus", "-g", type=inputs.GPUS, default=None,
+              help="With --print-config: a grid for this many ranks (data parallel; 'axoplan emit' writes a ranked one).")
+def train(config_path, print_config, gpus, **given):
     """Run the bundled 4D-parallel trainer: a readable line every log_every steps, JSON records in the
     metrics file, TensorBoard events and checkpoints under the run folder; options override the config."""
     from axoplan.runconfig import LaunchConfig, example_config_yaml, load_config
 
     if print_config:
-        click.echo(example_config_yaml(), nl=False)
+        cfg, note = example_for(gpus, given)
+        click.echo(example_config_yaml(cfg, note), nl=False)
         return
+    if gpus is not None:
+        raise UserError("--gpus shapes the printed example (with --print-config); for a run, --grid sets the ranks")
     from axoplan.runtime.dist_env import read_env
 
     de = read_env()
@@ -97,6 +120,11 @@ def train(config_path, print_config, **given):
         # exit code 2 everywhere, before any process group exists (so nobody waits on anybody)
         _quiet_exit_unless_rank0(de.rank)
         raise
+    if cfg.machine and de.rank == 0:  # % of peak and the plan it follows are the profile's
+        from axoplan.device import mismatch, warn
+        from axoplan.planner.machine import load_profile
+
+        warn(mismatch(load_profile(cfg.machine)))
     from axoplan.runtime.train import run
 
     try:

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from axoplan import progress
 from axoplan.errors import UserError
 from axoplan.loop.launch import pipeline_of
 from axoplan.planner.pipeline import SCHEDULES
@@ -356,6 +357,7 @@ def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, scre
     lo, hi = _bounds(pool, runs)
     D, h = _differences(profile, runs, pool, base, hi)
     J = D / h  # d log(predicted) / dx, x in the fit's own units
+    progress.step("choosing the corrections: linearised fits of every subset")
     scored = []
     for k in range(1, min(max_params(n), len(pool)) + 1):
         for sub in combinations(range(len(pool)), k):
@@ -366,7 +368,8 @@ def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, scre
             scored.append((_bic(n, rms, k), k, [pool[i] for i in idx]))
     scored.sort(key=lambda t: (t[0], t[1]))
     best, chosen = empty, []
-    for _, k, params in scored[:screen]:
+    for i, (_, k, params) in enumerate(scored[:screen]):
+        progress.step("choosing the corrections: full fits of the best subsets", i + 1, min(screen, len(scored)))
         v = _bic(n, fit(profile, runs, params).rms_log_error, k)
         if v < best - 1e-9:
             best, chosen = v, params
@@ -430,6 +433,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
                   candidates=PARAMS) -> Report:
     """`params` "auto": the best subset of `candidates` (select_params)."""
     if params == "auto":
+        progress.step("choosing the corrections: the planner's sensitivities")
         params = select_params(profile, runs, candidates)
     else:
         params = list(params)
@@ -440,6 +444,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
     if not np.all(np.isfinite(before_pred)):
         raise UserError(f"machine profile '{profile.name}' predicts a non-finite time for a measured run; "
                         f"check its numbers")
+    progress.step(f"fitting {', '.join(params) or 'nothing'}")
     try:
         f = fit(profile, runs, params)
     except (np.linalg.LinAlgError, ValueError, FloatingPointError) as e:
@@ -452,6 +457,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
     if loo and len(runs) >= 3 and params:
         loo_pred = np.empty(len(runs))
         for i in range(len(runs)):
+            progress.step("leave-one-out fits", i + 1, len(runs))
             keep = np.ones(len(runs), dtype=bool)
             keep[i] = False
             fi = fit(profile, runs.subset(keep), params, start=f.corrections)

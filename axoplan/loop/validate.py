@@ -93,7 +93,7 @@ class Sweep:
         if self.repeats < 1:
             raise UserError(f"--repeats must be a positive integer, got {self.repeats}")
         if self.top_k is not None and self.top_k <= 0:
-            raise UserError(f"--top-k must be a positive integer, got {self.top_k}")
+            raise UserError(f"--top must be a positive integer, got {self.top_k}")
         if self.steps <= self.warmup_steps:
             raise UserError(f"--steps ({self.steps}) must be larger than --warmup ({self.warmup_steps}): "
                             f"the median is taken over the steps after warm-up")

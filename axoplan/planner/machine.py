@@ -61,7 +61,9 @@ CORRECTIONS_KEYS = {"source": TEXT, **{name: NUM for name in (
     "gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale", "step_overhead_s",
     "kernel_overhead_scale", "collective_overhead_s", "overlap_efficiency")}}  # = Corrections' fields (checked below)
 LAUNCH_KEYS = {"env": FREE, "slurm": FREE, "source": TEXT}  # launch.slurm checked by _check_launch_slurm
-PROFILE_KEYS = {"schema": TEXT, "name": TEXT, "description": TEXT, "device": TEXT, "kind": TEXT, "dtype": TEXT,
+# the device it was measured on: a name, or {name, count, source} as calibrate writes (checked in _device)
+DEVICE_KEYS = {"name": FREE, "count": FREE, "source": FREE}
+PROFILE_KEYS = {"schema": TEXT, "name": TEXT, "description": TEXT, "device": DEVICE_KEYS, "kind": TEXT, "dtype": TEXT,
                 "source": TEXT, "gpus_per_node": NUM, "memory": MEMORY_KEYS, "compute": COMPUTE_KEYS,
                 "network": NETWORK_KEYS, "corrections": CORRECTIONS_KEYS, "calibration": FREE, "launch": LAUNCH_KEYS}
 TOP_LEVEL_KEYS = set(PROFILE_KEYS)
@@ -243,6 +245,7 @@ class MachineProfile:
     physics: gpu_physics.GpuPhysics = field(default_factory=gpu_physics.GpuPhysics)  # GPU-only, chosen by fields
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    device_count: int | None = None  # the device section's count: logical CPUs of the host, or GPUs per node
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -425,6 +428,23 @@ def _table_lookup(tab: GemmTable, shapes: np.ndarray, layout: str | None):
 
 
 # ---- loading ---------------------------------------------------------------------------
+def _device(dev, rd) -> tuple[str, int | None]:
+    """`device: NAME` or `device: {name, count, source}` (what calibrate writes): the device it was measured on."""
+    if isinstance(dev, str):
+        return dev, None
+    if not isinstance(dev, dict) or not isinstance(dev.get("name"), str) or not dev["name"]:
+        rd.fail("device", f"must be text or a mapping with a name (and count, source), got {inputs.show(dev)}")
+    unknown = set(dev) - {"name", "count", "source"}
+    if unknown:
+        rd.fail("device", f"has unknown key(s) {', '.join(sorted(map(str, unknown)))}: name, count, source")
+    count = dev.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        rd.fail("device.count", f"must be a positive whole number, got {inputs.show(count)}")
+    if count is not None and not isinstance(dev.get("source"), str):
+        rd.fail("device.count", "has no source: give the device section a source")
+    return dev["name"], count
+
+
 def _bundled_dirs() -> list[Path]:
     dirs = []
     env = os.environ.get("AXOPLAN_PROFILES")
@@ -799,9 +819,10 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     for key in ("name",):
         if not isinstance(d.get(key), str) or not d.get(key):
             rd.fail(key, "must be a non-empty string")
-    for key in ("name", "description", "device"):
+    for key in ("name", "description"):
         if key in d and not isinstance(d[key], str):
             rd.fail(key, f"must be text, got {inputs.show(d[key])}")
+    device_name, device_count = _device(d.get("device", ""), rd)
     # the name reaches launch scripts and one-line records; a description may span lines
     inputs.text(d["name"], f"{where}: field 'name'")
     _check_launch(d.get("launch"), rd, where)
@@ -909,7 +930,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     return MachineProfile(
         name=d["name"],
         description=str(d.get("description", "")),
-        device=str(d.get("device", "")),
+        device=device_name,
+        device_count=device_count,
         kind=_kind(d, rd),
         dtype=dtype,
         gpus_per_node=int(gpn),

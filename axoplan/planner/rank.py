@@ -18,6 +18,7 @@ from axoplan.planner.pipeline import SCHEDULES, stage_blocks
 from axoplan.planner.schedule import Window
 from axoplan.planner.space import ORDERS, Candidates, enumerate_space, pipeline_choices, pipeline_masks
 from axoplan.planner.specs import Job, ModelSpec, load_model
+from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
 if TYPE_CHECKING:  # pandas is imported where a DataFrame is built: `axoplan rank` prints without it
     import pandas as pd
@@ -27,7 +28,10 @@ WALKED_BY_DEFAULT = 100
 
 COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s", "compute_s",
            "comm_s", "exposed_comm_s", "memory_gib", "tflops_per_gpu", "pct_of_peak", "feasible", "reason",
-           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact"]
+           "pp", "vpp", "schedule", "bubble_s", "batch_time_exact",
+           # added after the fixed ones: within the expected error of the best (the evidence cannot order
+           # them), and that error (planner/uncertainty.py)
+           "tied", "expected_error"]
 
 
 def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
@@ -45,9 +49,11 @@ def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
     return out
 
 
-def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile) -> dict:
+def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile,
+             unc: Uncertainty | None = None) -> dict:
     """The rows `idx` as numpy columns, COLUMNS in order; `rank` counts rows from 1 and means
     nothing where `feasible` is false (the DataFrame holds NA there)."""
+    err = unc.expected_error if unc is not None else None
     with np.errstate(all="ignore"):  # a non-finite result is refused below, by name
         tflops = ev.flops_per_gpu[idx] / ev.batch_time[idx] / 1e12
         cols = {
@@ -61,6 +67,8 @@ def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachinePro
             "pp": c.pp[idx], "vpp": c.vpp[idx], "schedule": np.array(SCHEDULES)[c.schedule[idx]],
             "bubble_s": np.broadcast_to(ev.bubble, np.shape(ev.batch_time))[idx],
             "batch_time_exact": np.broadcast_to(ev.exact, np.shape(ev.batch_time))[idx],
+            "tied": tied(ev.batch_time[idx], ev.feasible[idx], err),
+            "expected_error": np.full(len(idx), np.nan if err is None else err),
         }
     _check_finite(cols, profile)
     return cols
@@ -107,6 +115,7 @@ class Ranking:
     extrapolated_gemms: int  # listed feasible rows with GEMM shapes outside the profile's table
     execution: Execution = AXOPLAN  # how the framework runs the step
     detail: dict | None = None  # the evaluation's schedule and timing and the candidate (dryrun's per-stage view)
+    uncertainty: Uncertainty | None = None  # the expected error of these times (planner/uncertainty.py)
 
     def __len__(self) -> int:
         return len(self.columns["rank"])
@@ -194,8 +203,9 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     if include_infeasible:
         inf = np.nonzero(~ev.feasible)[0]
         idx = np.concatenate([feas, inf[np.argsort(ev.batch_time[inf], kind="stable")]])
-    return Ranking(_columns(ev, c, idx, p), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
-                   extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex)
+    unc = expected_error(p, ex.name, job.gpus)
+    return Ranking(_columns(ev, c, idx, p, unc), m, p, job, candidates=len(c), feasible=int(ev.feasible.sum()),
+                   extrapolated_gemms=int(ev.extrapolated[feas].sum()), execution=ex, uncertainty=unc)
 
 
 def _pipelines(ex: Execution, job: Job, model: ModelSpec, pp, vpp, schedule) -> list:
@@ -242,6 +252,7 @@ class Explanation:
     notes: list
     execution: Execution = AXOPLAN  # how the framework runs the step
     detail: dict | None = None  # the evaluation's schedule and timing and the candidate (dryrun's per-stage view)
+    uncertainty: Uncertainty | None = None  # the expected error of its time (planner/uncertainty.py)
 
 
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
@@ -274,7 +285,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
     ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True, execution=ex)
-    summary = _frame(_columns(ev1, one, np.array([0]), p))
+    unc = expected_error(p, ex.name, job.gpus)
+    summary = _frame(_columns(ev1, one, np.array([0]), p, unc))
     d = ev1.detail
     sched, st = d["schedule"], d["time"]
     ga = int(np.ravel(sched.grad_acc)[0])
@@ -337,4 +349,4 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     if not bool(ev1.feasible[0]):
         notes.append("this configuration is NOT feasible: " + summary["reason"][0])
     return Explanation(summary, colls, windows, memory, notes, ex, {**d, "candidate": one, "model": m, "profile": p,
-                                                                 "seq_len": job.seq_len})
+                                                                 "seq_len": job.seq_len}, unc)

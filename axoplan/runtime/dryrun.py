@@ -136,7 +136,10 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
         p, t = predicted.get(key, [0, 0.0]), tr.collectives.get(key, [0, 0])
         colls.append({"layer": key[0], "kind": key[1], "axis": key[2], "predicted_calls": p[0], "traced_calls": t[0],
                       "predicted_bytes": p[1], "traced_bytes": float(t[1])})
+    available = (prof.mem_capacity - prof.mem_headroom) / GIB  # what the planner's feasibility allows
     return {"predicted_memory_gib": float(ex.memory.gib[len(MODEL_KINDS)]), "traced_memory_gib": tr.peak_bytes / GIB,
+            "fits": bool(tr.peak_bytes / GIB <= available), "available_gib": available,
+            "capacity_gib": prof.mem_capacity / GIB, "headroom_gib": prof.mem_headroom / GIB,
             "memory_by_kind": mem, "collectives": colls,
             "predicted_peak_at": ex.memory.attrs.get("peak_at", ""), "traced_peak_at": tr.peak_where,
             "config": {"gx": cfg.grid.gx, "gy": cfg.grid.gy, "gz": cfg.grid.gz, "gdata": cfg.grid.gdata, "order": order,

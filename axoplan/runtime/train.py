@@ -81,7 +81,8 @@ def check_config(cfg: LaunchConfig, world_size: int, local_world_size: int | Non
     if cfg.world != world_size:
         raise UserError(f"the grid gx*gy*gz*gdata{'*pp' if cfg.pp > 1 else ''} = {g.gx}*{g.gy}*{g.gz}*{g.gdata}"
                         f"{f'*{cfg.pp}' if cfg.pp > 1 else ''} = {cfg.world} does not match "
-                        f"the {world_size} process(es) started")
+                        f"the {world_size} process(es) started; write a config for them with 'axoplan train "
+                        f"--print-config --gpus {world_size}' or start {cfg.world}")
     seq = cfg.seq_len or spec.seq_len
     why = grid_problem(spec, g.gx, g.gy, g.gz, g.gdata, cfg.global_batch, cfg.micro_batch, seq, cfg.pp, cfg.vpp,
                        cfg.schedule)
