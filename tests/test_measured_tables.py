@@ -216,8 +216,19 @@ def test_refit_keeps_tables_valid_from_another_folder(tmp_path):
 
     ident = {k: (0.0 if k.endswith("_s") else 1.0) for k in PARAMS}
     rep = Report([], ident, ident, 1, 1.0, 1.0, 1.0, 1.0, None, None, None, None)
+    from pathlib import Path
+
+    from axoplan.loop.profile_copy import with_tables
+
     d = new_profile_dict(prof, rep, out, "r.csv")
+    # as refit writes it: the tables copied beside the new profile, so it stands without the old folder
+    d, tables = with_tables(d, Path(prof.path), out.parent, prefix="new_")
+    for name, (data, _) in tables.items():
+        (out.parent / name).write_bytes(data)
     out.write_text(yaml.safe_dump(d))
+    import shutil
+
+    shutil.rmtree(base)
     again = load_profile(str(out))
     assert again.coll_table is not None and again.attn_table is not None
 
