@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import docs_blocks as D  # noqa: E402
 
-SUITE = "python3 -m pytest -q"
+SUITE = "python3 -m pytest -q -n 2"
 
 
 def copy_tree(dest: Path) -> None:

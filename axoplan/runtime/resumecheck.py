@@ -12,17 +12,15 @@ import io
 import json
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from axoplan.runconfig import Grid, LaunchConfig
 from axoplan.runtime.grid import build_grid
-from axoplan.runtime.selfcheck import TINY, _free_port
+from axoplan.runtime.selfcheck import TINY, _free_port, spawn_world
 from axoplan.runtime.train import Resolved, Trainer
 
 GRIDS = ((1, 2, 2, 1), (2, 1, 1, 2))  # together they split X, Y, Z and D
@@ -77,14 +75,7 @@ def run_world(world: int = 4, grids=GRIDS, folder: str | None = None, timeout: f
         tmp = folder or scratch
         (Path(tmp) / "tiny.yaml").write_text(yaml.safe_dump(dataclasses.asdict(TINY)))
         out = str(Path(tmp) / "resume.json")
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), list(grids), out, tmp), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"world of {world} did not finish in {timeout:.0f} s")
+        spawn_world(_worker, (world, _free_port(), list(grids), out, tmp), world, timeout)
         return json.loads(Path(out).read_text())
 
 

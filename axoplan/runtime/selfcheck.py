@@ -277,15 +277,19 @@ def run_world(world: int, cases: list[Case] | None = None, timeout: float = 600.
         for name, spec in MODELS.items():
             (Path(tmp) / f"{name}.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec)))
         out = str(Path(tmp) / "results.json")
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, refs, out, tmp), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"world of {world} did not finish in {timeout:.0f} s")
+        spawn_world(_worker, (world, _free_port(), cases, refs, out, tmp), world, timeout)
         return json.loads(Path(out).read_text())
+
+
+def spawn_world(worker, args: tuple, world: int, timeout: float) -> None:
+    """worker(rank, *args) in `world` spawned processes, all ended if they have not finished by the deadline."""
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"world of {world} did not finish in {timeout:.0f} s")
 
 
 def main(argv=None) -> int:
