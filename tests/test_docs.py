@@ -106,7 +106,10 @@ def static_problems(simple: str, cwd: Path, made: set = frozenset()) -> list[str
         if not ((D.ROOT / script).is_file() or (cwd / script).is_file() or Path(script).parts[:1] in made_dirs):
             return [f"no file {script} (in the repository or made by the commands above it)"]
     if head == "pytest":
-        for w in rest:
+        takes_value = {"-n", "--numprocesses", "-k", "-m", "-p", "--durations", "--maxfail"}
+        for before, w in zip([""] + rest[:-1], rest):
+            if before in takes_value:  # the option's value, not a path
+                continue
             if not w.startswith("-") and not (D.ROOT / w.split("::")[0]).exists():
                 return [f"no test path {w}"]
     return []
