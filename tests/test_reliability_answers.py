@@ -127,7 +127,7 @@ def test_a_diverged_loss_stops_training_instead_of_writing_nan(tmp_path, monkeyp
 
     metrics = tmp_path / "m.jsonl"
     cfg = config_from_dict({"model": "gpt-tiny", "steps": 3, "timing_warmup_steps": 1, "global_batch": 2, "micro_batch": 1,
-                            "seq_len": 16, "metrics": str(metrics), "backend": "gloo"})
+                            "seq_len": 16, "metrics": str(metrics), "backend": "gloo", "out": str(tmp_path)})
     trainer = T.Trainer.from_config(cfg)
     real = trainer.train_step
 
