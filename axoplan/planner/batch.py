@@ -2,6 +2,8 @@
 step's schedule (schedule.py) timed by the profile's strategy (timing.py), its memory (memory.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -231,9 +233,9 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     def pick(x):
         return np.asarray(x)[first] if np.ndim(x) else x
 
-    shard = pick(ps.block_shard) * blocks + (0 if last else pick(ps.emb_shard)) + (pick(ps.lm_shard) if last else 0)
-    hx = model.hidden / c.gx[first]
-    replicated = (2 * blocks + last) * hx + (0 if last or model.position != "learned" else seq_len * hx)
+    rows = dataclasses.replace(ps, block_shard=pick(ps.block_shard), emb_shard=pick(ps.emb_shard),
+                               lm_shard=pick(ps.lm_shard))
+    shard, replicated = stage_timing.rank_states(rows, model, c.gx[first], blocks, not last, last, seq_len)
     passes = (sched.forward.stage(not last, last), sched.backward.stage(not last, last))
     return ({"n_blocks": blocks, "live_blocks": np.maximum(live, blocks * 0 + 1), "embedding": not last,
              "head": last, "passes": passes}, shard.astype(np.float64), replicated)

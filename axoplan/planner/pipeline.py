@@ -198,8 +198,9 @@ def steady_cap(schedule: str, pp: int) -> tuple[int, int]:
     return (6 * pp + 4 if schedule == "1f1b" else 7 * pp), 2 * pp
 
 
-def walked(schedule: str, pp: int, m):
-    """The micro-batches the walk runs for m: m itself up to steady_cap, past it the cap."""
+def walked(schedule: str, pp, m):
+    """The micro-batches the walk runs for m: m itself up to steady_cap, past it the cap (pp and m per
+    candidate, or one)."""
     return np.minimum(m, steady_cap(schedule, pp)[0])
 
 

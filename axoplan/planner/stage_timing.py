@@ -19,7 +19,7 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import SCHEDULES, rank_end_times, stage_blocks, steady_cap
+from axoplan.planner.pipeline import SCHEDULES, rank_end_times, stage_blocks, walked
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
@@ -76,15 +76,22 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
     return out
 
 
+def rank_states(params, model: ModelSpec, gx, blocks, first: bool, last: bool, seq_len: int):
+    """(fp32 shard elements, replicated elements) a pipeline rank holding `blocks` blocks keeps: its blocks' Z
+    shards (the embedding's on the first, the LM head's on the last), two norms per block (the final norm on the
+    last) and the learned positions on the first, per X slice. params: comm.ParameterShards (or its rows)."""
+    shard = params.block_shard * blocks + (params.emb_shard if first else 0) + (params.lm_shard if last else 0)
+    hx = model.hidden / gx
+    replicated = (2 * blocks + last) * hx + (seq_len * hx if first and model.position == "learned" else 0)
+    return shard, replicated
+
+
 def rank_step_collectives(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates,
                           ex: Execution, seq_len: int, blocks, first: bool, last: bool):
     """(the once-per-step collectives, the fp32 shard elements) of a pipeline rank holding `blocks` blocks (the
     embedding on the first, the LM head and final norm on the last): the blocking gradient reduction over
     its own shard, no buckets."""
-    ps = sched.params
-    shard = ps.block_shard * blocks + (ps.emb_shard if first else 0) + (ps.lm_shard if last else 0)
-    hx = model.hidden / c.gx
-    replicated = (2 * blocks + last) * hx + (seq_len * hx if first and model.position == "learned" else 0)
+    shard, replicated = rank_states(sched.params, model, c.gx, blocks, first, last, seq_len)
     step = comm.data_parallel_collectives(profile, sched.groups, np.asarray(shard, dtype=np.float64), replicated,
                                           None, ex, profile.dtype_bytes)
     return step, shard
@@ -222,9 +229,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     # an infeasible interleaved step (micro-batches not a multiple of pp) is timed at the next multiple
     m = np.where(SCHEDULES.index("interleaved-1f1b") == sc, np.maximum(-(-m // pp) * pp, pp), m)
     walk_m = np.zeros_like(m)
-    for s_ in range(len(SCHEDULES)):
-        cap = np.array([0] + [steady_cap(SCHEDULES[s_], p_)[0] for p_ in range(1, int(pp.max()) + 1)])
-        walk_m = np.where(sc == s_, np.minimum(m, cap[pp]), walk_m)
+    for s_, name in enumerate(SCHEDULES):
+        walk_m = np.where(sc == s_, walked(name, pp, m), walk_m)
     first_of, inv = distinct_rows(pp, vpp, sc, walk_m)
     uniq = np.stack([pp, vpp, sc, walk_m], axis=1)[first_of]
     out = {k: np.zeros(N) for k in ("batch", "comp", "colls", "bubble", "crit")}
