@@ -13,7 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_rankings.csv"
-KEY = ["model", "profile", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing"]
+KEY = ["model", "profile", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "pp", "vpp",
+       "schedule"]
 VALUES = ["batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib", "feasible"]
 
 

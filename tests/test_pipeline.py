@@ -162,16 +162,22 @@ def test_first_stage_memory_holds_its_forwards_in_flight():
 
 
 def test_pp_1_is_the_4d_model_bit_for_bit():
-    a = axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30)
+    """--pp 1 ranks exactly what the bundled trainer's execution without a pipeline ranks."""
+    import dataclasses
+
+    from axoplan.planner.execution import AXOPLAN
+
+    a = axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30, execution=dataclasses.replace(AXOPLAN, pipeline="none"))
     b = axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30, pp=1)
-    assert a.equals(b)
+    assert a.equals(b) and (b["pp"] == 1).all()
+    assert (axoplan.rank("gpt-20b", "perlmutter", 64, 512, top=30)["pp"] > 1).any()  # the default ranks 5D
 
 
 @pytest.mark.parametrize("args,msg", [
     (["--pp", "3"], "--pp 3 does not divide --gpus 64"),
     (["--pp", "4", "--vpp", "2", "--schedule", "1f1b"], "needs --schedule interleaved-1f1b"),
     (["--pp", "64"], "more pipeline stages than the model's 32 blocks"),
-    (["--pp", "4", "--execution", "axoplan"], "execution 'axoplan' runs no pipeline"),
+    (["--pp", "4", "--execution", "llm-foundry"], "execution 'llm-foundry' runs no pipeline"),
     (["--pp", "two"], "--pp"),
 ])
 def test_rank_pipeline_mistakes_are_one_sentence(args, msg):
@@ -220,8 +226,60 @@ def test_ranking_walks_every_candidate_that_can_be_among_the_best():
     c = enumerate_space(64, 512, pipelines=pipeline_choices(64, model.n_layers, "all"))
     full = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"])
     some = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"], top=10)
-    assert full.exact.all() and not some.exact.all()
+    # a candidate a rule excludes is not timed in either; every other is walked, or bounded below
+    timed = np.isfinite(full.batch_time)
+    assert np.array_equal(timed, np.isfinite(some.batch_time)) and timed[full.feasible].all()
+    assert full.exact[timed].all() and not full.exact[~timed].any() and not some.exact[timed].all()
     best = lambda ev: np.argsort(np.where(ev.feasible, ev.batch_time, np.inf), kind="stable")[:10]  # noqa: E731
     assert np.array_equal(best(full), best(some))
     assert np.allclose(full.batch_time[some.exact], some.batch_time[some.exact], rtol=1e-12)
-    assert np.all(some.batch_time[~some.exact] <= full.batch_time[~some.exact] * (1 + 1e-12))
+    bounded = ~some.exact & timed
+    assert bounded.any() and np.all(some.batch_time[bounded] <= full.batch_time[bounded] * (1 + 1e-12))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n_layers=st.integers(8, 40))
+def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers):
+    """stage_timing.bounds (all candidates at once) equals bound_time over each candidate's own stages."""
+    from axoplan.planner.stage_timing import KINDS, bounds
+
+    rng = np.random.default_rng(seed)
+    n = 40
+    pp = rng.choice([2, 3, 4, 5, 8], n)
+    vpp = np.where(rng.random(n) < 0.5, 1, rng.integers(2, 4, n))
+    vpp = np.where(pp * vpp > n_layers, 1, vpp)
+    m = pp * rng.integers(1, 4, n)
+    ck = rng.random(n) < 0.5
+    send = rng.uniform(0, 0.2, n)
+    # per kind and pass: prefix, block, last, suffix window seconds; one fixed and one block's compute, collectives
+    full = {(k, p): [rng.uniform(0.05, 1.0, n) for _ in range(8)]
+            for k in KINDS for p in ("forward", "backward", "backward_recompute")}
+    after = {k: (rng.uniform(0, 0.5, n), rng.uniform(0, 0.5, n)) for k in KINDS}
+    got = bounds(full, after, ck, pp, vpp, m, send, n_layers)
+    for i in range(n):
+        p_, v_ = int(pp[i]), int(vpp[i])
+        V = p_ * v_
+        blocks = P.stage_blocks(n_layers, p_, v_)
+
+        def stage(v, name, what, i=i, V=V, blocks=blocks):  # seconds (0), compute (1) or collectives (2), of v
+            kind = "first" if v == 0 else ("last" if v == V - 1 else "middle")
+            key = (kind, "backward_recompute" if name == "backward" and ck[i] else name)
+            x = [a[i] for a in full[key]]
+            one = (x[0] + x[2] + x[3], x[4], x[6])[what]
+            per_block = (x[1], x[5], x[7])[what]
+            return one + per_block * (blocks[v] - 1)
+
+        sec = np.array([[stage(v, name, 0) for v in range(V)] for name in ("forward", "backward")])
+        work = (sec[0] + sec[1]).reshape(v_, p_).sum(axis=0)
+        ends = bound_time(sec[0, :p_, None], sec[1, :p_, None], np.array([send[i]]), m[i] * work[:, None])[:, 0]
+        kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
+        finish = ends + np.array([sum(a[i] for a in after[k]) for k in kinds])
+        r = int(np.argmax(finish))
+        comp = sum(stage(v, nm, 1) for v in range(r, V, p_) for nm in ("forward", "backward"))
+        colls = sum(stage(v, nm, 2) for v in range(r, V, p_) for nm in ("forward", "backward"))
+        assert got["batch"][i] == pytest.approx(finish[r], rel=1e-12)
+        assert int(got["crit"][i]) == r
+        assert got["bubble"][i] == pytest.approx(max(ends[r] - m[i] * work[r], 0.0), rel=1e-9, abs=1e-12)
+        assert got["comp"][i] == pytest.approx(m[i] * comp + after[kinds[r]][1][i], rel=1e-12)
+        assert got["colls"][i] == pytest.approx(m[i] * colls + after[kinds[r]][0][i] + 2 * m[i] * v_ * send[i],
+                                                rel=1e-12)

@@ -31,7 +31,7 @@ def test_columns_and_sorting(model, pm_path):
     assert df["rank"].tolist() == list(range(1, len(df) + 1))
     t = df["batch_time_s"].to_numpy()
     assert np.all(np.diff(t) >= 0)
-    assert np.all(df["gx"] * df["gy"] * df["gz"] * df["gdata"] == 16)
+    assert np.all(df["gx"] * df["gy"] * df["gz"] * df["gdata"] * df["pp"] == 16)
     assert df.attrs["feasible"] == len(df)
     # no duplicate candidate
     key = ["gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "pp", "vpp", "schedule"]
@@ -58,7 +58,7 @@ def test_top_k_is_the_head_of_the_full_ranking(model, pm):
 
 
 def test_include_infeasible(model, pm):
-    df = axoplan.rank(model, pm, 16, 32, include_infeasible=True, max_micro_batch=64)
+    df = axoplan.rank(model, pm, 16, 32, include_infeasible=True, max_micro_batch=64, pp=1)  # the 4D space
     grids = factorizations4(16)
     expect = int(distinct_orders(grids).sum()) * len(micro_batch_choices(32)) * 2
     assert len(df) == expect == df.attrs["candidates"]

@@ -24,7 +24,8 @@ def synthetic_results(path, model, profile_path, true: dict, jobs, noise: float 
     rng = np.random.default_rng(seed)
     rows = []
     for gpus, gb in jobs:
-        df = distinct_configs(rank(str(model), prof, gpus, gb)).iloc[::every]
+        # the 4D space: these tests fit corrections (test_pipeline_trainer refits pipelined runs)
+        df = distinct_configs(rank(str(model), prof, gpus, gb, pp=1)).iloc[::every]
         for i, r in enumerate(df.to_dict("records")):
             r.update(candidate=f"g{gpus}b{gb}c{i:02d}", model=str(model), machine=str(profile_path), gpus=gpus,
                      global_batch=gb, seq_len="", status="ok", error="", steps=10, warmup_steps=3, wall_s=1.0,

@@ -42,12 +42,9 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
     """(chosen row, runner-up row or None, ranking attrs): the rank_k-th row of the ranking, or the best
     row of one grid (and order). The runner-up is the best row with another grid or order. pp > 1: among
     the bundled trainer's pipelines of pp stages (the grid is each stage's)."""
-    from axoplan.planner.execution import AXOPLAN, trainer_execution
     from axoplan.planner.rank import rank
     from axoplan.loop.validate import distinct_configs
 
-    if (pp not in ("all", 1) or vpp not in (None, 1)) and execution in (None, "axoplan", AXOPLAN):
-        execution = trainer_execution()  # the bundled trainer's pipeline stages, asked for by --pp
     df = rank(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
               checkpointing=checkpointing, execution=execution, pp=pp, vpp=vpp, schedule=schedule or "all")
     rows = df.to_dict("records")

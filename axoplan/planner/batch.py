@@ -14,7 +14,7 @@ from axoplan.planner.machine import MachineProfile
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.planner.memory import Memory, memory
 from axoplan.planner.rows import distinct_rows
-from axoplan.planner.space import CANDIDATE_FIELDS, Candidates, divisibility_masks
+from axoplan.planner.space import CANDIDATE_FIELDS, Candidates, divisibility_masks, micro_batches
 from axoplan.planner.specs import Job, ModelSpec
 
 
@@ -40,8 +40,9 @@ class Evaluation:
     exact: np.ndarray | bool = True
 
 
-# walked: every pipelined candidate whose lower bound is within this factor of the top-th best time
-TOP_SLACK = 1.25
+# walked: every pipelined candidate whose lower bound is within this factor of the top-th best time (a margin
+# for the walk's continuation past steady_cap, a mean increment within a few per cent of the walk's own)
+TOP_SLACK = 1.05
 
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
@@ -53,6 +54,15 @@ def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates,
     lower bound (stage_timing.bound_time) is within TOP_SLACK of the top-th best time walked or computed, else
     it keeps the bound and `exact` False (it cannot be among them). None: every candidate walked."""
     pipe = c.pp > 1
+    if pipe.any() and not explain:
+        code = _rule_codes(_rules(model, job, c, execution), np.shape(c.gx))
+        out = pipe & (code >= 0)
+        if out.any():  # a pipelined candidate a rule excludes has no step to walk: not timed (_excluded)
+            a, b = np.nonzero(~out)[0], np.nonzero(out)[0]
+            if not len(a):
+                return _excluded(model, job, c, code, execution, None, profile)
+            x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution, top)
+            return _merge(x, _excluded(model, job, c.take(b), code[b], execution, x, profile), a, b)
     if pipe.any() and not pipe.all():  # pipelined candidates are timed by walking their order: two evaluations
         a, b = np.nonzero(~pipe)[0], np.nonzero(pipe)[0]
         x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution)
@@ -164,14 +174,9 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
     # then what the framework cannot express (execution.capability_masks), before memory
-    rules = divisibility_masks(model, job.global_batch, S, c) + [
-        (execution.pipeline_even_split & (model.n_layers % (c.pp * c.vpp) != 0),
-         f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")] + \
-        execution.capability_masks(c)
-    reasons = [t for _, t in rules] + ["needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"]
-    code = np.full(np.broadcast(ck, gx).shape, -1, dtype=np.int64)
-    for i, (mask, _) in reversed(list(enumerate(rules + [(mem.total > limit, "")]))):
-        code = np.where(mask, i, code)
+    rules = _rules(model, job, c, execution)
+    reasons = [t for _, t in rules] + [MEMORY_REASON]
+    code = _rule_codes(rules + [(mem.total > limit, "")], np.broadcast(ck, gx).shape)
     feasible = code < 0
 
     # ---- time: the schedule's windows, walked through the pipeline's order where there is one ---------
@@ -190,9 +195,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         comm_total = sched.grad_acc * sched.comm_per_micro_batch() + sum(s.seconds * s.calls for s in sched.step)
         exposed = np.maximum(batch - compute_total - profile.corrections.step_overhead_s, 0.0)
 
-    once = model.flops_per_token(S, recompute=False)
-    flops_token = np.where(ck, once + execution.recomputed_flops_per_token(model, S), once)
-    flops_gpu = flops_token * job.tokens_per_batch / job.gpus
+    flops_gpu = _flops_per_gpu(model, job, ck, execution)
 
     detail = {"schedule": sched, "time": timed_step} if explain else {}
     if explain and piped:  # each end of the pipeline's own peak (dryrun traces both)
@@ -201,6 +204,49 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
                       sched.extrapolated, detail, np.broadcast_to(bubble, np.shape(batch)),
                       np.broadcast_to(memory_rank, np.shape(batch)), np.broadcast_to(sched.grad_acc, np.shape(batch)),
                       np.broadcast_to(exact, np.shape(batch)))
+
+
+MEMORY_REASON = "needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"
+
+
+def _rules(model: ModelSpec, job: Job, c: Candidates, execution: Execution) -> list:
+    """(violated mask, reason template) of every rule before memory, in the order reasons are reported: the
+    divisibility and pipeline rules, then what the framework cannot express (execution.capability_masks)."""
+    return divisibility_masks(model, job.global_batch, job.seq_len, c) + [
+        (execution.pipeline_even_split & (model.n_layers % (c.pp * c.vpp) != 0),
+         f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")] + \
+        execution.capability_masks(c)
+
+
+def _rule_codes(rules: list, shape) -> np.ndarray:
+    """Per candidate the index of the first rule it violates, -1 for none."""
+    code = np.full(shape, -1, dtype=np.int64)
+    for i, (mask, _) in reversed(list(enumerate(rules))):
+        code = np.where(mask, i, code)
+    return code
+
+
+def _flops_per_gpu(model: ModelSpec, job: Job, ck, execution: Execution) -> np.ndarray:
+    """FLOP per step per GPU, the paper's accounting (the recomputed forward included under checkpointing)."""
+    once = model.flops_per_token(job.seq_len, recompute=False)
+    flops_token = np.where(ck, once + execution.recomputed_flops_per_token(model, job.seq_len), once)
+    return flops_token * job.tokens_per_batch / job.gpus
+
+
+def _excluded(model: ModelSpec, job: Job, c: Candidates, code: np.ndarray, execution: Execution,
+              like: Evaluation | None, profile: MachineProfile) -> Evaluation:
+    """The Evaluation of pipelined candidates a rule excludes (code: the rule): infeasible with its reason,
+    neither timed nor their memory walked (NaN), laid out as `like` (the others' evaluation) to merge with it."""
+    n = len(c)
+    nan = np.full(n, np.nan)
+    kinds = {k: None if like is None or getattr(like.memory, k) is None else nan for k in MEMORY_KINDS}
+    moments = like.memory.moments if like is not None else ("not evaluated",)
+    mem = Memory(nan, np.zeros(n, dtype=np.int64), moments, **kinds)
+    reasons = like.reasons if like is not None else [t for _, t in _rules(model, job, c, execution)] + [MEMORY_REASON]
+    return Evaluation(nan, nan, nan, nan, mem, profile.mem_capacity - profile.mem_headroom, np.zeros(n, dtype=bool),
+                      code, reasons, _flops_per_gpu(model, job, c.checkpointing, execution), np.zeros(n, dtype=bool),
+                      {}, nan, np.zeros(n, dtype=np.int64), micro_batches(job.global_batch, c),
+                      np.zeros(n, dtype=bool))
 
 
 def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: np.ndarray, rank_kind: str,
@@ -218,9 +264,9 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     # the peak's forwards in flight stop growing after the warm-up: one walk of the order per structure
     m = np.where(sc == 0, pipeline.peak_micro_batches("1f1b", pp, m),
                  pipeline.peak_micro_batches("interleaved-1f1b", pp, m))
-    keys, inv = np.unique(np.stack([pp, vpp, sc, m], axis=1), axis=0, return_inverse=True)
-    for j, (p_, v_, s_, m_) in enumerate(keys.tolist()):
-        sel = inv.reshape(-1) == j
+    at, inv = distinct_rows(pp, vpp, sc, m)
+    for j, (p_, v_, s_, m_) in enumerate(np.stack([pp, vpp, sc, m], axis=1)[at].tolist()):
+        sel = inv == j
         q, r = divmod(L, p_ * v_)
         n_v = q + (np.arange(p_ * v_) < r)
         if p_ * v_ > L or m_ < 1:

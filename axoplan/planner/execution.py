@@ -91,7 +91,7 @@ class Execution:
     # Linear ahead, restarted per recomputed layer)
     prefetch_into_recompute: bool = True
     # the pipeline schedules the framework runs (pipeline.py): none; 1f1b; interleaved (1f1b and
-    # interleaved-1f1b). The bundled trainer runs no pipeline stages yet
+    # interleaved-1f1b); the bundled trainer runs both (runtime/pipeline_stage.py, torch.distributed.pipelining)
     pipeline: str = "none"
     # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
     # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
@@ -176,16 +176,10 @@ class Execution:
         return (dtype_bytes if copy else 4) + 4 + optimizer / split
 
 
-AXOPLAN = Execution()
+AXOPLAN = Execution(pipeline="interleaved")
 AXIS_NAMES = {"x": "column (X, in-features) tensor parallelism: its tensor parallelism is one-dimensional",
               "y": "row (Y) tensor parallelism", "z": "sharded (Z, FSDP-like) data parallelism",
               "d": "replicated data parallelism"}
-
-
-def trainer_execution() -> Execution:
-    """The bundled trainer with its pipeline stages (runtime/pipeline_stage.py: both schedules), for the
-    commands that run it with --pp (emit, dryrun) while the preset above still ranks without a pipeline."""
-    return AXOPLAN if AXOPLAN.pipeline == "interleaved" else dataclasses.replace(AXOPLAN, pipeline="interleaved")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """rank() and explain(): the public API behind `axoplan rank` and `axoplan explain`."""
 from __future__ import annotations
 
+import string
+
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,18 +37,23 @@ COLUMNS = ["rank", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpoin
 
 
 def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
-    out = []
-    mem = ev.memory.total
+    """Each row's reason ("" where feasible), formatted once per distinct value of the fields its template names."""
+    out = np.full(len(idx), "", dtype=object)
+    code = ev.reason_code[idx]
     m = np.broadcast_to(ev.micro_batches, np.shape(ev.batch_time))
-    for i in idx:
-        code = ev.reason_code[i]
-        if code < 0:
-            out.append("")
-            continue
-        out.append(ev.reasons[code].format(gx=c.gx[i], gy=c.gy[i], gz=c.gz[i], gdata=c.gdata[i],
-                                           micro_batch=c.micro_batch[i], mem=mem[i] / GIB, limit=ev.memory_limit / GIB,
-                                           pp=c.pp[i], vpp=c.vpp[i], m=m[i]))
-    return out
+    fields = {"gx": c.gx, "gy": c.gy, "gz": c.gz, "gdata": c.gdata, "micro_batch": c.micro_batch, "pp": c.pp,
+              "vpp": c.vpp, "m": m, "mem": ev.memory.total / GIB}
+    for k in np.unique(code[code >= 0]):
+        at = np.nonzero(code == k)[0]
+        template = ev.reasons[k]
+        names = sorted({f for _, f, _, _ in string.Formatter().parse(template) if f and f != "limit"})
+        cols = [np.asarray(fields[f])[idx[at]] for f in names]
+        first, inverse = (np.zeros(1, dtype=np.int64), np.zeros(len(at), dtype=np.int64)) if not cols else \
+            np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)[1:]
+        text = [template.format(limit=ev.memory_limit / GIB, **{f: col[i] for f, col in zip(names, cols)})
+                for i in np.asarray(first).reshape(-1)]
+        out[at] = np.asarray(text, dtype=object)[np.asarray(inverse).reshape(-1)]
+    return out.tolist()
 
 
 def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachineProfile,
@@ -218,7 +225,7 @@ def _pipelines(ex: Execution, job: Job, model: ModelSpec, pp, vpp, schedule) -> 
         raise UserError(f"execution '{ex.name}' runs no pipeline"
                         + (f" with the {schedule} schedule" if ex.pipeline_schedules else "")
                         + (f"; its schedules: {', '.join(ex.pipeline_schedules)}" if ex.pipeline_schedules else
-                           "; choose --pp 1 or an execution that pipelines (megatron-core, megatron-lm, torchtitan)"))
+                           "; choose --pp 1 or an execution that pipelines (axoplan, megatron-core, megatron-lm, torchtitan)"))
     return runs
 
 

@@ -183,7 +183,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         [2, h] view flattened would be copied whole); indexed by an Index (the positions unravelled once)."""
 
         def __init__(self, x):
-            self.x = np.broadcast_to(np.asarray(x), shape)
+            self.raw = np.asarray(x)
+            self.x = np.broadcast_to(self.raw, shape)
 
         def __getitem__(self, at):
             return self.x[at.where]
@@ -226,8 +227,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         return out
 
     sends = flat(sched.p2p)
-    # an infeasible interleaved step (micro-batches not a multiple of pp) is timed at the next multiple
-    m = np.where(SCHEDULES.index("interleaved-1f1b") == sc, np.maximum(-(-m // pp) * pp, pp), m)
+    m = _timed_micro_batches(sc, pp, m)
     walk_m = np.zeros_like(m)
     for s_, name in enumerate(SCHEDULES):
         walk_m = np.where(sc == s_, walked(name, pp, m), walk_m)
@@ -236,8 +236,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     out = {k: np.zeros(N) for k in ("batch", "comp", "colls", "bubble", "crit")}
     exact = np.zeros(N, dtype=bool)
 
-    def group(gi, idx, walk_it: bool):
-        """The candidates idx of structure gi: walked, or their lower bound (bound_time)."""
+    def group(gi, idx):
+        """The candidates idx of structure gi, walked."""
         idx = Index.of(idx)
         p_, v_, s_, _ = (int(x) for x in uniq[gi])
         V = p_ * v_
@@ -259,11 +259,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             return x.reshape(v_, p_, -1).sum(axis=0)
 
         per_rank_work = per_rank(fwd_t + bwd_t)
-        if walk_it:
-            send = np.stack([sends[idx], sends[idx]])
-            ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
-        else:
-            ends = bound_time(fwd_t[:p_], bwd_t[:p_], sends[idx], mm * per_rank_work)
+        send = np.stack([sends[idx], sends[idx]])
+        ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
         finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
                                                                                         for k in kinds]]
@@ -279,22 +276,26 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         out["bubble"][idx] = np.maximum(ends[rk, col] - mm * per_rank_work[rk, col], 0.0)
         out["comp"][idx] = mm * per_rank_comp[rk, col] + opt_c
         out["colls"][idx] = mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
-        exact[idx] = walk_it
+        exact[idx] = True
 
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
     overhead = profile.corrections.step_overhead_s
     if walk is None:
         for gi, idx in enumerate(groups):
-            group(gi, idx, True)
+            group(gi, idx)
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
-        for gi, idx in enumerate(groups):
-            group(gi, idx, False)
+        # elementwise over the candidates' own shapes (the checkpointing axis broadcast, not copied)
+        full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
+        rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
+        m_raw = _timed_micro_batches(c.schedule, c.pp, sched.grad_acc)
+        for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L).items():
+            out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         todo = walk.first(out["batch"] + overhead)
         for round_ in range(2):
             for gi, idx in enumerate(groups):
                 sel = idx[todo[idx] & ~exact[idx]]
                 if len(sel):
-                    group(gi, sel, True)
+                    group(gi, sel)
             if round_ == 0:
                 todo = walk.then(out["batch"] + overhead, exact)
     batch = out["batch"] + overhead
@@ -303,6 +304,86 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     stage_seconds = {k: v[0] for k, v in parts.items()}
     return PipelineTime(*(x.reshape(shape) for x in (batch, comp, colls, exposed, bubble)),
                         out["crit"].reshape(shape).astype(np.int64), stage_seconds, exact.reshape(shape))
+
+
+def _timed_micro_batches(schedule, pp, m):
+    """The micro-batches a step is timed with: an infeasible interleaved step (not a multiple of pp) at the next
+    multiple."""
+    return np.where(SCHEDULES.index("interleaved-1f1b") == schedule, np.maximum(-(-m // pp) * pp, pp), m)
+
+
+def _linear(full: dict, kind: str, ck: np.ndarray) -> tuple:
+    """(forward, backward) of one virtual stage of `kind` as (a, b) pairs of (seconds, compute, collectives):
+    n blocks take a + b n (the backward recomputing where checkpointing is on)."""
+    out = []
+    for name in ("forward", "backward"):
+        xs = full[kind, name]
+        if name == "backward":
+            xs = [np.where(ck, y, x) for x, y in zip(xs, full[kind, "backward_recompute"])]
+        pre, blk, lst, suf, c1, cb, l1, lb = xs
+        out.append(((pre + lst + suf - blk, blk), (c1 - cb, cb), (l1 - lb, lb)))
+    return tuple(out)
+
+
+def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int) -> dict:
+    """bound_time's batch (with each rank's gradient reduction and optimizer), critical rank, bubble, compute
+    and collectives for every candidate at once, in closed form: its virtual stages of one kind differ only in
+    their blocks, so a rank's path and work are linear in its rank r between the steps of its blocks (at b, the
+    first rank without an extra block), and their maximum over the middle ranks lies at 1, b - 1, b or pp - 2
+    (the first of equal ones at the left end of a piece).
+    full: (kind, pass) -> the parts of _stage_parts, flat; after: kind -> (gradient reduction, optimizer)."""
+    pp, vpp, m = (np.asarray(x) for x in (pp, vpp, m))
+    mm = m.astype(np.float64)
+    V = pp * vpp
+    q, rem = n_layers // V, n_layers % V
+    b = rem % pp
+    n0 = q + (rem > 0)  # blocks of virtual stage 0 (the last one never takes an extra)
+    lin = {k: _linear(full, k, ck) for k in KINDS}
+
+    def excess(kind, ps, what, n):  # the first (last) virtual stage over a middle one, both of n blocks
+        (a, s_), (a_mid, s_mid) = lin[kind][ps][what], lin["middle"][ps][what]
+        return a - a_mid + (s_ - s_mid) * n
+
+    # per quantity (seconds 0, compute 1, collectives 2) of one micro-batch forward and backward: a rank's vpp
+    # middle stages' fixed part, per block, and what its first (last) stage adds
+    rank_terms = {}
+    for what in (0, 1, 2):
+        (af, sf), (ab, sb) = lin["middle"][0][what], lin["middle"][1][what]
+        rank_terms[what] = (vpp * (af + ab), sf + sb, excess("first", 0, what, n0) + excess("first", 1, what, n0),
+                            excess("last", 0, what, q) + excess("last", 1, what, q))
+    path_terms = [(excess("first", ps, 0, n0), lin["middle"][ps][0][0] + send, lin["middle"][ps][0][1])
+                  for ps in (0, 1)]
+
+    def rank_sum(what, r):
+        fixed, per_block, first, last = rank_terms[what]
+        nb = vpp * q + np.clip(-(-(rem - r) // pp), 0, vpp)  # rank_blocks
+        return fixed + per_block * nb + np.where(r == 0, first, 0.0) + np.where(r == pp - 1, last, 0.0)
+
+    def path(ps, r):  # bound_time's prefix: the first virtual stages of the ranks before r, a transfer each
+        first, step, per_block = path_terms[ps]
+        before = r * q + np.minimum(r, rem)  # blocks of the virtual stages 0 .. r - 1
+        return np.where(r >= 1, first + r * step + per_block * before, 0.0)
+
+    one = np.ones_like(pp)
+    ranks = [0 * pp] + [np.clip(x, 1, pp - 2) for x in (one, b - 1, b, pp - 2)] + [pp - 1]
+    kinds = ["first"] + ["middle"] * 4 + ["last"]
+    valid = [True] + [pp > 2] * 4 + [True]
+    work = [rank_sum(0, r) for r in ranks]
+    ends = [path(0, r) + mm * w for r, w in zip(ranks, work)]
+    ends[0] = np.max(np.broadcast_arrays(*[np.where(ok, e + path(1, r), -np.inf) for ok, e, r in zip(valid, ends, ranks)]),
+                     axis=0)
+    finish = np.stack(np.broadcast_arrays(*[np.where(ok, e + after[k][0] + after[k][1], -np.inf)
+                                            for ok, e, k in zip(valid, ends, kinds)]))
+    j = np.argmax(finish, axis=0)  # the first of equal ends: the lowest rank, as bound_time's argmax
+
+    def pick(xs):
+        return np.choose(j, xs)
+
+    r = pick(ranks)
+    return {"batch": pick(list(finish)), "crit": r.astype(np.float64),
+            "bubble": np.maximum(pick(ends) - mm * pick(work), 0.0),
+            "comp": mm * rank_sum(1, r) + pick([after[k][1] for k in kinds]),
+            "colls": mm * rank_sum(2, r) + pick([after[k][0] for k in kinds]) + 2 * mm * vpp * send}
 
 
 def bound_time(first_fwd, first_bwd, send, work) -> np.ndarray:

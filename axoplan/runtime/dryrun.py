@@ -166,9 +166,9 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
     from axoplan.planner.stage_timing import rank_collective_rows
     from axoplan.runconfig import Grid, Overlap
 
-    from axoplan.planner.execution import trainer_execution
+    from axoplan.planner.execution import AXOPLAN
 
-    ex_obj = trainer_execution()
+    ex_obj = AXOPLAN
 
     def plan(batch, mb, ck):
         return explain(model, machine, gpus, batch, grid, order=order, seq_len=seq_len, micro_batch=mb,
