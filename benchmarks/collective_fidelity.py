@@ -10,8 +10,8 @@ Four predictions side by side:
   frontier: the AxoNN authors' per-step latency and bandwidth table, measured on those machines), else
   NCCL's latency sum plus the ring volume over a plateau from the NIC specification;
 - 'nccl': NCCL's protocol-aware model (comm.protocol_time: ring or tree, LL, LL128 or Simple) with NCCL's
-  own constants (gpu_physics.nccl_protocols for the GPU generation and host CPU; RCCL, a fork with the same
-  tuning structure, is given the Ampere-on-AMD rows) and the plateau from the NIC specification x the one
+  own constants (gpu_physics.nccl_protocols for the GPU generation, host CPU and GPU-to-NIC path: no LL128
+  across nodes beyond PXB; RCCL, a fork with the same tuning structure, is given the Ampere-on-AMD rows) and the plateau from the NIC specification x the one
   ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812):
   nothing from any sweep;
 - 'lomo': the same with two measured properties, network.protocols.latency_scale (measured time over
@@ -49,17 +49,27 @@ from axoplan.planner.machine import GB, _Reader, load_profile
 DATA = Path(__file__).resolve().parent / "data"
 # 192 GB/s all-reduce busbw over 8 x 25 GB/s of HDR (NVIDIA/nccl issue #812, the NCCL team)
 RING_EFFICIENCY = 192 / 200
-# machine -> (bundled profile it extends, NIC line rate per node GB/s, (compute capability, host CPU) of the
-# NCCL constants, whether the bundled profile is this machine's own, source of the NIC figure)
+# machine -> (bundled profile it extends, NIC line rate per node GB/s, (compute capability, host CPU, GPU-to-NIC
+# path) of the NCCL constants, whether the bundled profile is this machine's own, source of the NIC figure)
 MACHINES = {
-    "a3mega-h100": ("dgx-h100", 200.0, (90, "intel"), False,
+    "a3mega-h100": ("dgx-h100", 200.0, (90, "intel", "PXB"), False,
                     "8 x 200 Gb/s GPUDirect-TCPXO NICs per A3 Mega node (vendor specification, data file header)"),
-    "h20-ndr": ("dgx-h100", 400.0, (90, "intel"), False, "8 x 400 Gb/s NDR ConnectX-7 per node (the data file's header)"),
-    "p4dn-a100": ("dgx-a100", 50.0, (80, "intel"), False, "4 x 100 Gb/s EFA per p4dn.24xlarge (AWS specification)"),
-    "perlmutter-a100": ("perlmutter", 100.0, (80, "amd"), True,
+    "h20-ndr": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
+                "8 x 400 Gb/s NDR ConnectX-7 per node (the data file's header)"),
+    "p4dn-a100": ("dgx-a100", 50.0, (80, "intel", "PXB"), False, "4 x 100 Gb/s EFA per p4dn.24xlarge (AWS specification)"),
+    "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
-    "frontier-mi250x": ("frontier", 100.0, (80, "amd"), True,
+    "frontier-mi250x": ("frontier", 100.0, (80, "amd", "PXB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
+}
+# the GPU-to-NIC path (gpu_physics.NIC_PATHS) decides whether NCCL runs LL128 across nodes
+NIC_PATH_SOURCE = {
+    "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn and A3 Mega instances built on them) put "
+           "each GPU and its NIC under one PCIe switch; RCCL on Frontier keeps the rows it had (its NICs hang off the "
+           "MI250X packages)",
+    "PHB": "Perlmutter GPU nodes: GPUDirect RDMA needs NCCL_NET_GDR_LEVEL=PHB there (NVlabs/FourCastNet "
+           "submit_batch.sh @7595ba6, a 4-GPU-per-node Perlmutter job on nersc/pytorch:ngc-22.02), NCCL's default "
+           "being PXB: the GPU reaches its NIC through the CPU's host bridge",
 }
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
@@ -89,8 +99,8 @@ def judged(rows: list[dict]) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _protocols(cap: int, cpu: str) -> gpu_physics.Protocols:
-    return gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}},
+def _protocols(cap: int, cpu: str, nic_path: str) -> gpu_physics.Protocols:
+    return gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu, nic_path)}},
                              _Reader("NCCL's defaults")).protocols
 
 
@@ -99,12 +109,12 @@ def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale:
                     efficiency: float = RING_EFFICIENCY):
     """model 'before' (the profile as it was) or 'protocols' (NCCL's defaults x latency_scale, the plateau
     `efficiency` x the NICs' line rate)."""
-    name, nic_gbs, (cap, cpu), own, _ = MACHINES[machine]
+    name, nic_gbs, consts, own, _ = MACHINES[machine]
     prof = load_profile(name).replace(gpus_per_node=gpus_per_node)
     if model == "before":
         flat = prof.replace(physics=dataclasses.replace(prof.physics, protocols=None))
         return flat if own else flat.replace(inter_busbw=nic_gbs * RING_EFFICIENCY * GB)
-    pr = dataclasses.replace(_protocols(cap, cpu), latency_scale=latency_scale)
+    pr = dataclasses.replace(_protocols(*consts), latency_scale=latency_scale)
     return prof.replace(inter_busbw=nic_gbs * efficiency * GB,
                         physics=dataclasses.replace(prof.physics, protocols=pr))
 

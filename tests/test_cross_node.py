@@ -188,3 +188,20 @@ def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():
     assert cf.leave_one_out(rows, "perlmutter-a100") == (1.0, cf.RING_EFFICIENCY)
     other = [dict(r, machine="frontier-mi250x") for r in rows]  # same network, another library
     assert cf.leave_one_out(other + rows, "perlmutter-a100") == (1.0, cf.fit_share(other))
+
+
+def test_no_ll128_across_nodes_beyond_pxb():
+    """NCCL enables LL128 across nodes only where the GPU reaches its NIC by PXB or nearer (Hopper also by PXN):
+    the default rows for a host-bridge path (Perlmutter) have LL and Simple only, rings and trees alike."""
+    from axoplan.planner import gpu_physics
+
+    names = lambda d, k: [r["protocol"] for r in d[k]]  # noqa: E731
+    phb = gpu_physics.nccl_protocols(80, "amd", "PHB")
+    assert names(phb, "ring") == ["LL", "Simple"] and names(phb, "tree") == ["LL", "Simple"]
+    assert "no LL128 across nodes" in phb["source"]
+    for cap, path, kept in ((80, "PIX", True), (80, "PXB", True), (80, "PXN", False), (90, "PXN", True),
+                            (90, "SYS", False)):
+        assert ("LL128" in names(gpu_physics.nccl_protocols(cap, "intel", path), "ring")) is kept, (cap, path)
+    assert gpu_physics.nccl_protocols(80, "amd") == gpu_physics.nccl_protocols(80, "amd", "PXB")
+    with pytest.raises(ValueError, match="GPU-to-NIC path"):
+        gpu_physics.nccl_protocols(80, "amd", "NVL")
