@@ -67,9 +67,10 @@ NIC_PATH_SOURCE = {
     "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn and A3 Mega instances built on them) put "
            "each GPU and its NIC under one PCIe switch; RCCL on Frontier keeps the rows it had (its NICs hang off the "
            "MI250X packages)",
-    "PHB": "Perlmutter GPU nodes: GPUDirect RDMA needs NCCL_NET_GDR_LEVEL=PHB there (NVlabs/FourCastNet "
-           "submit_batch.sh @7595ba6, a 4-GPU-per-node Perlmutter job on nersc/pytorch:ngc-22.02), NCCL's default "
-           "being PXB: the GPU reaches its NIC through the CPU's host bridge",
+    "PHB": "inferred for Perlmutter's GPU nodes: jobs there set NCCL_NET_GDR_LEVEL=PHB, the sweep's own script "
+           "among them (axonn-ai/sc2025-pccl-reproducer scripts/perlmutter/run_raw_collectives_benchmark.sh "
+           "@624c30f; also NVlabs/FourCastNet submit_batch.sh @7595ba6), which changes NCCL's behaviour (GPUDirect "
+           "RDMA up to PXB by default) only where the GPU reaches its NIC through the CPU's host bridge",
 }
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
