@@ -10,18 +10,24 @@ Four predictions side by side:
   frontier: the AxoNN authors' per-step latency and bandwidth table, measured on those machines), else
   NCCL's latency sum plus the ring volume over a plateau from the NIC specification;
 - 'nccl': NCCL's protocol-aware model (comm.protocol_time: ring or tree, LL, LL128 or Simple) with NCCL's
-  own constants (gpu_physics.nccl_protocols for the GPU generation and host CPU; RCCL, a fork with the same
-  tuning structure, is given the Ampere-on-AMD rows) and the plateau from the NIC specification x the one
+  own constants (gpu_physics.nccl_protocols for the GPU generation, host CPU and GPU-to-NIC path: no LL128
+  across nodes beyond PXB; RCCL, a fork with the same tuning structure, is given the Ampere-on-AMD rows) and the plateau from the NIC specification x the one
   ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812):
   nothing from any sweep;
-- 'lomo': the same with network.protocols.latency_scale (measured time over NCCL's modelled latency: a
-  property of the network and its transport plugin) fitted, least squares in log time, to the judged rows of
-  the other machines on the same network (NETWORK below); 1 (NCCL's own) where no other machine shares it:
-  leave-one-machine-out;
-- 'own': the same with the scale fitted to the machine's own rows (what `calibrate --emit-slurm` does on a
-  user's cluster; in-sample, for reference).
+- 'lomo': the same with two measured properties, network.protocols.latency_scale (measured time over
+  NCCL's modelled latency: a property of the network and the library, LIBRARY below) and the plateau's share
+  of the NIC line rate (inter_node.busbw_gbs over the NICs: a property of the network, NETWORK below), each
+  from the judged rows of the other machines that share what it is a property of (the plateau from their
+  rows of 256 MiB and more), NCCL's own (1 and 0.96) where none does: leave-one-machine-out;
+- 'own': the same two fitted to the machine's own rows (what `calibrate --emit-slurm` does on a user's
+  cluster; in-sample, for reference).
+Both fits minimise the mean absolute log error: the sweeps are means of 20 calls and some hold stalls of
+10x their neighbours (the Frontier logs), which a squared loss lets decide the fit.
+Each machine's error is printed as the mean over its curves (the target) and the median over its rows.
+--rows prints every judged row with pred/meas for each prediction; --diagnose, per curve, the median
+pred/meas at 1-16 MiB (latency-bound) and at 256 MiB and more (bandwidth-bound) for 'nccl' and 'own'.
 
-    python benchmarks/collective_fidelity.py [--rows] [--fit-latency MACHINE]
+    python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--fit-latency MACHINE]
 """
 from __future__ import annotations
 
@@ -43,21 +49,39 @@ from axoplan.planner.machine import GB, _Reader, load_profile
 DATA = Path(__file__).resolve().parent / "data"
 # 192 GB/s all-reduce busbw over 8 x 25 GB/s of HDR (NVIDIA/nccl issue #812, the NCCL team)
 RING_EFFICIENCY = 192 / 200
-# machine -> (bundled profile it extends, NIC line rate per node GB/s, (compute capability, host CPU) of the
-# NCCL constants, whether the bundled profile is this machine's own, source of the NIC figure)
+# machine -> (bundled profile it extends, NIC line rate per node GB/s, (compute capability, host CPU, GPU-to-NIC
+# path) of the NCCL constants, whether the bundled profile is this machine's own, source of the NIC figure)
 MACHINES = {
-    "a3mega-h100": ("dgx-h100", 200.0, (90, "intel"), False,
+    "a3mega-h100": ("dgx-h100", 200.0, (90, "intel", "PXB"), False,
                     "8 x 200 Gb/s GPUDirect-TCPXO NICs per A3 Mega node (vendor specification, data file header)"),
-    "h20-ndr": ("dgx-h100", 400.0, (90, "intel"), False, "8 x 400 Gb/s NDR ConnectX-7 per node (the data file's header)"),
-    "p4dn-a100": ("dgx-a100", 50.0, (80, "intel"), False, "4 x 100 Gb/s EFA per p4dn.24xlarge (AWS specification)"),
-    "perlmutter-a100": ("perlmutter", 100.0, (80, "amd"), True,
+    "h20-ndr": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
+                "8 x 400 Gb/s NDR ConnectX-7 per node (the data file's header)"),
+    "p4dn-a100": ("dgx-a100", 50.0, (80, "intel", "PXB"), False, "4 x 100 Gb/s EFA per p4dn.24xlarge (AWS specification)"),
+    "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
-    "frontier-mi250x": ("frontier", 100.0, (80, "amd"), True,
+    "frontier-mi250x": ("frontier", 100.0, (80, "amd", "PXB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
+}
+# the GPU-to-NIC path (gpu_physics.NIC_PATHS) decides whether NCCL runs LL128 across nodes
+NIC_PATH_SOURCE = {
+    "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn and A3 Mega instances built on them) put "
+           "each GPU and its NIC under one PCIe switch; RCCL on Frontier keeps the rows it had (its NICs hang off the "
+           "MI250X packages)",
+    "PHB": "inferred for Perlmutter's GPU nodes: jobs there set NCCL_NET_GDR_LEVEL=PHB, the sweep's own script "
+           "among them (axonn-ai/sc2025-pccl-reproducer scripts/perlmutter/run_raw_collectives_benchmark.sh "
+           "@624c30f; also NVlabs/FourCastNet submit_batch.sh @7595ba6), which changes NCCL's behaviour (GPUDirect "
+           "RDMA up to PXB by default) only where the GPU reaches its NIC through the CPU's host bridge",
 }
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
            "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11"}
+# the communication library: its per-step latencies are its own (RCCL's tuning tables are not NCCL's), so a
+# latency scale transfers only between machines sharing network and library; the plateau, a property of the
+# NICs and the fabric, between machines sharing the network
+LIBRARY = {"a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn-a100": "NCCL", "perlmutter-a100": "NCCL",
+           "frontier-mi250x": "RCCL"}
+# rows of this many bytes and more are bandwidth-bound on every judged curve: the plateau is fitted on them
+PLATEAU_BYTES = 2**28
 LO, HI = 2**20, 2**32
 NODES = (2, 64)
 
@@ -76,38 +100,83 @@ def judged(rows: list[dict]) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _protocols(cap: int, cpu: str) -> gpu_physics.Protocols:
-    return gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}},
+def _protocols(cap: int, cpu: str, nic_path: str) -> gpu_physics.Protocols:
+    return gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu, nic_path)}},
                              _Reader("NCCL's defaults")).protocols
 
 
 @functools.lru_cache(maxsize=None)
-def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale: float = 1.0):
-    """model 'before' (the profile as it was) or 'protocols' (NCCL's defaults, the plateau from the NICs)."""
-    name, nic_gbs, (cap, cpu), own, _ = MACHINES[machine]
+def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale: float = 1.0,
+                    efficiency: float = RING_EFFICIENCY):
+    """model 'before' (the profile as it was) or 'protocols' (NCCL's defaults x latency_scale, the plateau
+    `efficiency` x the NICs' line rate)."""
+    name, nic_gbs, consts, own, _ = MACHINES[machine]
     prof = load_profile(name).replace(gpus_per_node=gpus_per_node)
     if model == "before":
         flat = prof.replace(physics=dataclasses.replace(prof.physics, protocols=None))
         return flat if own else flat.replace(inter_busbw=nic_gbs * RING_EFFICIENCY * GB)
-    pr = dataclasses.replace(_protocols(cap, cpu), latency_scale=latency_scale)
-    return prof.replace(inter_busbw=nic_gbs * RING_EFFICIENCY * GB,
+    pr = dataclasses.replace(_protocols(*consts), latency_scale=latency_scale)
+    return prof.replace(inter_busbw=nic_gbs * efficiency * GB,
                         physics=dataclasses.replace(prof.physics, protocols=pr))
 
 
-def predict(r: dict, model: str, latency_scale: float = 1.0) -> float:
+def predict(r: dict, model: str, latency_scale=1.0, efficiency=RING_EFFICIENCY):
+    """Seconds per call of row r; with arrays for latency_scale and efficiency (broadcast against each
+    other, 'protocols' only) an array of them."""
     nodes, gpn = int(r["nodes"]), int(r["gpus_per_node"])
-    prof = machine_profile(r["machine"], gpn, model, latency_scale)
-    p, stride = np.array([nodes * gpn]), np.array([1])
-    bw = prof.group_busbw(p, stride)
     kind, nb = r["collective"], float(r["bytes"])
+    p, stride = np.array([nodes * gpn]), np.array([1])
     if model == "before":
+        prof = machine_profile(r["machine"], gpn, model)
+        bw = prof.group_busbw(p, stride)
         return float(C.ring_time(prof, kind, nb, p, bw, prof.group_latency(p, stride), False, stride)[0])
+    scalar = np.ndim(latency_scale) == 0 and np.ndim(efficiency) == 0
+    prof = machine_profile(r["machine"], gpn, model, 1.0, 1.0)
     m, n = C.group_nodes(prof, p, stride)
-    return float(C.protocol_seconds(prof, kind, nb, p, m, n, bw)[0])
+    # the group's plateau (one group: it has the node's NICs to itself) x the share of the line rate
+    bw = prof.group_busbw(p, stride)[0] * np.asarray(efficiency, dtype=np.float64)
+    pr = dataclasses.replace(prof.physics.protocols, latency_scale=np.asarray(latency_scale, dtype=np.float64))
+    t = C.protocol_seconds(prof.replace(physics=dataclasses.replace(prof.physics, protocols=pr)),
+                           kind, nb, int(p[0]), float(m[0]), float(n[0]), bw)
+    return float(t) if scalar else t
+
+
+# the fit's grid: latency scale 0.25-50 (9% apart), plateau share of the line rate 0.30-1.20 (0.01 apart)
+SCALES = np.exp(np.linspace(np.log(0.25), np.log(50.0), 61))
+SHARES = np.round(np.arange(0.30, 1.2001, 0.01), 2)
+
+
+def fit_network(rows: list[dict]) -> tuple[float, float]:
+    """(latency_scale, plateau share of the NIC line rate) minimising the mean |log(pred/meas)| over rows."""
+    loss = np.zeros((len(SCALES), len(SHARES)))
+    for r in rows:
+        loss += np.abs(np.log(predict(r, "protocols", SCALES[:, None], SHARES[None, :]) / (float(r["time_us"]) * 1e-6)))
+    i, j = np.unravel_index(np.argmin(loss), loss.shape)
+    return round(float(SCALES[i]), 2), float(SHARES[j])
+
+
+def fit_share(rows: list[dict]) -> float:
+    """The plateau's share of the NIC line rate: the mean |log(pred/meas)| fit over rows of PLATEAU_BYTES
+    and more, latency at NCCL's own (a small part of those calls)."""
+    big = [r for r in rows if float(r["bytes"]) >= PLATEAU_BYTES]
+    loss = sum(np.abs(np.log(predict(r, "protocols", 1.0, SHARES) / (float(r["time_us"]) * 1e-6))) for r in big)
+    return float(SHARES[int(np.argmin(loss))])
+
+
+def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
+    """(latency_scale, plateau share) for `machine` from the other machines' rows only: both fitted together
+    on those sharing its network and library; else the share from those sharing its network (fit_share) and
+    NCCL's latency; else NCCL's defaults."""
+    others = [r for r in rows if r["machine"] != machine and NETWORK[r["machine"]] == NETWORK[machine]]
+    same_lib = [r for r in others if LIBRARY[r["machine"]] == LIBRARY[machine]]
+    if same_lib:
+        return fit_network(same_lib)
+    return (1.0, fit_share(others)) if others else (1.0, RING_EFFICIENCY)
 
 
 def fit_latency(rows: list[dict]) -> float:
-    """network.protocols.latency_scale minimising the squared log error of the protocol model over rows."""
+    """network.protocols.latency_scale minimising the squared log error of the protocol model over rows,
+    the plateau from the NICs x 0.96 (how the bundled DGX profiles' 2.0 was fitted to the H20 sweep)."""
     from scipy.optimize import minimize_scalar
 
     meas = np.array([float(r["time_us"]) * 1e-6 for r in rows])
@@ -120,13 +189,26 @@ def fit_latency(rows: list[dict]) -> float:
     return round(float(np.exp(res.x)), 4)
 
 
-def mean_err(rows: list[dict], model: str, scale: float = 1.0) -> float:
-    return float(np.mean([abs(predict(r, model, scale) / (float(r["time_us"]) * 1e-6) - 1) for r in rows]))
+def errors(rows: list[dict], model: str, scale: float = 1.0, share: float = RING_EFFICIENCY) -> np.ndarray:
+    """|pred/meas - 1| per row."""
+    return np.array([abs(predict(r, model, scale, share) / (float(r["time_us"]) * 1e-6) - 1) for r in rows])
+
+
+def mean_err(rows: list[dict], model: str, scale: float = 1.0, share: float = RING_EFFICIENCY) -> float:
+    return float(np.mean(errors(rows, model, scale, share)))
+
+
+def _ratios(rows, model, scale, share, lo, hi):
+    sel = [r for r in rows if lo <= float(r["bytes"]) <= hi]
+    if not sel:
+        return float("nan")
+    return float(np.median([predict(r, model, scale, share) / (float(r["time_us"]) * 1e-6) for r in sel]))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", action="store_true", help="print every judged row")
+    ap.add_argument("--diagnose", action="store_true", help="per curve: median pred/meas at small and large sizes")
     ap.add_argument("--fit-latency", metavar="MACHINE", help="fit network.protocols.latency_scale to one machine")
     args = ap.parse_args(argv)
     rows = judged(load_rows())
@@ -141,39 +223,43 @@ def main(argv=None) -> int:
         print(f"{args.fit_latency}: latency_scale {s:.3f} (mean error {mean_err(mine, 'protocols', s):.0%} "
               f"over its {len(mine)} judged rows)")
         return 0
-    lomo = {}
-    for m in machines:
-        peers = [r for r in rows if r["machine"] != m and NETWORK[r["machine"]] == NETWORK[m]]
-        lomo[m] = fit_latency(peers) if peers else 1.0
-    own = {m: fit_latency([r for r in rows if r["machine"] == m]) for m in machines}
+    lomo = {m: leave_one_out(rows, m) for m in machines}
+    own = {m: fit_network([r for r in rows if r["machine"] == m]) for m in machines}
     print("published cross-node collective sweeps vs axoplan: time per call, 1 MiB-4 GiB on 2-64 nodes, "
-          "error = |pred/meas - 1| (mean per curve)")
-    print(f"{'machine':16s} {'network':16s} {'collective':14s} {'curves':>6s} {'rows':>5s} {'before':>7s} "
-          f"{'nccl':>6s} {'lomo':>6s} {'own':>6s}  latency_scale lomo / own")
-    per_machine = []
+          "error = |pred/meas - 1|: mean per curve, then over curves (median over rows in brackets)")
+    print(f"{'machine':16s} {'network':16s} {'collective':14s} {'curves':>6s} {'rows':>4s} {'before':>10s} "
+          f"{'nccl':>10s} {'lomo':>10s} {'own':>10s}  latency_scale, plateau/NICs: lomo | own")
+    models = lambda m: (("before", 1.0, RING_EFFICIENCY), ("protocols", 1.0, RING_EFFICIENCY),  # noqa: E731
+                        ("protocols", *lomo[m]), ("protocols", *own[m]))
+    per_machine, medians = [], []
     for m in machines:
         mr = [r for r in rows if r["machine"] == m]
-        errs = []
+        curve_means = []
         for kind in sorted({r["collective"] for r in mr}):
             kr = [r for r in mr if r["collective"] == kind]
             curves = sorted({r["curve"] for r in kr})
-            e = np.array([[mean_err([r for r in kr if r["curve"] == c], mod, s)
-                           for mod, s in (("before", 1.0), ("protocols", 1.0), ("protocols", lomo[m]),
-                                          ("protocols", own[m]))] for c in curves])
-            errs.append(e)
-            print(f"{m:16s} {NETWORK[m]:16s} {kind:14s} {len(curves):6d} {len(kr):5d} "
-                  + " ".join(f"{x:6.0%}" for x in e.mean(0))
-                  + f"  {lomo[m]:.2f} / {own[m]:.2f}")
+            e = np.array([[mean_err([r for r in kr if r["curve"] == c], *mod) for mod in models(m)] for c in curves])
+            med = np.array([np.median(errors(kr, *mod)) for mod in models(m)])
+            curve_means.append(e)
+            print(f"{m:16s} {NETWORK[m]:16s} {kind:14s} {len(curves):6d} {len(kr):4d} "
+                  + " ".join(f"{x:4.0%} ({y:3.0%})" for x, y in zip(e.mean(0), med))
+                  + f"  {lomo[m][0]:.2f}, {lomo[m][1]:.2f} | {own[m][0]:.2f}, {own[m][1]:.2f}")
+            if args.diagnose:
+                for c in curves:
+                    cr = [r for r in kr if r["curve"] == c]
+                    nccl, mine = models(m)[1], models(m)[3]
+                    print(f"    {c:34s} pred/meas nccl {_ratios(cr, *nccl, 2**20, 2**24):5.2f} at 1-16 MiB, "
+                          f"{_ratios(cr, *nccl, 2**28, 2**32):5.2f} at >=256 MiB;  own "
+                          f"{_ratios(cr, *mine, 2**20, 2**24):5.2f}, {_ratios(cr, *mine, 2**28, 2**32):5.2f}")
             if args.rows:
                 for r in kr:
-                    meas = float(r["time_us"])
-                    print(f"    {r['curve']:28s} {float(r['bytes']):>12.0f} B  measured {meas:10.1f} us  "
-                          + "  ".join(f"{mod}{'' if s == 1.0 else f'x{s:.2f}'} {predict(r, mod, s) * 1e6:10.1f}"
-                                      for mod, s in (("before", 1.0), ("protocols", 1.0),
-                                                     ("protocols", lomo[m]))))
-        per_machine.append(np.concatenate(errs).mean(0))
-    print(f"{'mean over machines':16s} {'':16s} {'':14s} {'':6s} {'':5s} "
-          + " ".join(f"{x:6.0%}" for x in np.mean(per_machine, axis=0)))
+                    meas = float(r["time_us"]) * 1e-6
+                    print(f"    {r['curve']:34s} {float(r['bytes']):>11.0f} B  measured {meas * 1e6:9.1f} us  "
+                          "pred/meas " + " ".join(f"{predict(r, *mod) / meas:5.2f}" for mod in models(m)))
+        per_machine.append(np.concatenate(curve_means).mean(0))
+        medians.append([np.median(errors(mr, *mod)) for mod in models(m)])
+    print(f"{'mean over machines':16s} {'':16s} {'':14s} {'':6s} {'':4s} "
+          + " ".join(f"{x:4.0%} ({y:3.0%})" for x, y in zip(np.mean(per_machine, axis=0), np.mean(medians, axis=0))))
     return 0
 
 

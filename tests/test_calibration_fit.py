@@ -115,6 +115,39 @@ def test_gpu_run_across_nodes_fits_nccls_protocol_model(tmp_path):
     assert prof.physics.protocols is not None and prof.inter_busbw == pytest.approx(120e9, rel=0.05)
 
 
+def test_gpu_run_through_the_host_bridge_writes_no_ll128_rows(tmp_path):
+    """The same run on hosts whose GPUs reach their NICs through the CPU (the worker recorded PHB): NCCL runs
+    no LL128 across nodes there, the truth has none, and the written rows have none; the fit still recovers
+    the plateau and the latency scale."""
+    rd = write(tmp_path / "r", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6), nic_path="PHB")
+    built = profile_writer.build(rd, "gpu-nodes", "t.csv")
+    pr = built.profile["network"]["protocols"]
+    assert [r["protocol"] for r in pr["ring"]] == ["LL", "Simple"]
+    assert [r["protocol"] for r in pr["tree"]] == ["LL", "Simple"]
+    assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
+    assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
+
+
+def test_nic_path_from_nvidia_smi_topo():
+    """The nearest NIC of the rank's GPU in `nvidia-smi topo -m`, in NCCL's path names (NODE is through the CPU)."""
+    from axoplan.calibrate.worker import nic_path_from_topo
+
+    text = """
+\tGPU0\tGPU1\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV4\tPXB\tSYS\t0-31\t0
+GPU1\tNV4\t X \tNODE\tSYS\t0-31\t0
+
+Legend:
+  X    = Self
+"""
+    assert nic_path_from_topo(text, 0) == "PXB"
+    assert nic_path_from_topo(text, 1) == "PHB"
+    assert nic_path_from_topo(text, 2) == ""
+    assert nic_path_from_topo(text.replace("NIC0", "GPU2").replace("NIC1", "GPU3"), 0) == ""  # no NIC column
+    older = "\tGPU0\tmlx5_0\tmlx5_1\nGPU0\t X \tSYS\tPIX\n"
+    assert nic_path_from_topo(older, 0) == "PIX"
+
+
 def test_incomplete_run_is_refused(tmp_path):
     rd = write(tmp_path / "r")
     m = rd.meta()

@@ -143,7 +143,17 @@ def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
 
 def test_every_published_sweep_row_names_a_described_machine():
     """benchmarks/collective_fidelity.py: each row of the sweeps in benchmarks/data has its machine's NIC
-    figure and network (else the benchmark could not predict it), and each file carries its source."""
+    figure, network and library (else the benchmark could not predict it), and each file carries its
+    source."""
+    cf = _collective_fidelity()
+    rows = cf.load_rows()
+    assert {r["machine"] for r in rows} <= set(cf.MACHINES) == set(cf.NETWORK) == set(cf.LIBRARY)
+    assert len(cf.judged(rows)) > 150
+    for f in {r["file"] for r in rows}:
+        assert (cf.DATA / f).read_text().startswith("# ")
+
+
+def _collective_fidelity():
     import importlib.util
     from pathlib import Path
 
@@ -151,8 +161,47 @@ def test_every_published_sweep_row_names_a_described_machine():
     spec = importlib.util.spec_from_file_location("collective_fidelity", path)
     cf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cf)
-    rows = cf.load_rows()
-    assert {r["machine"] for r in rows} <= set(cf.MACHINES) == set(cf.NETWORK)
-    assert len(cf.judged(rows)) > 150
-    for f in {r["file"] for r in rows}:
-        assert (cf.DATA / f).read_text().startswith("# ")
+    return cf
+
+
+def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():
+    """Rows made by the protocol model itself at a latency scale and plateau share on the fit's grid
+    (Perlmutter all-gathers, 1 MiB-1 GiB on 4 and 32 nodes): the joint fit finds both, the plateau fit
+    (rows of 256 MiB and more, NCCL's latency) the share within 0.03 where the latency is near NCCL's (at
+    8x it the latency of 256 MiB on 32 nodes is read as a lower plateau); leave-one-machine-out uses only
+    the other machines' rows (a machine alone on its network gets NCCL's defaults)."""
+    cf = _collective_fidelity()
+    def made(scale, share):
+        return [dict(r, time_us=cf.predict(r, "protocols", scale, share) * 1e6) for r in rows]
+
+    rows = []
+    for nodes in (4, 32):
+        for k in range(20, 31):
+            r = {"machine": "perlmutter-a100", "collective": "all_gather", "nodes": nodes, "gpus_per_node": 4,
+                 "bytes": 2.0**k, "curve": f"{nodes}n"}
+            rows.append(r)
+    high, near = float(cf.SCALES[40]), float(cf.SCALES[20])  # 8.5 and 1.46
+    assert cf.fit_network(made(high, 0.7)) == (round(high, 2), 0.7)
+    assert cf.fit_share(made(near, 0.7)) == pytest.approx(0.7, abs=0.03)
+    assert cf.fit_share(made(high, 0.7)) < 0.65
+    rows = made(near, 0.7)
+    assert cf.leave_one_out(rows, "perlmutter-a100") == (1.0, cf.RING_EFFICIENCY)
+    other = [dict(r, machine="frontier-mi250x") for r in rows]  # same network, another library
+    assert cf.leave_one_out(other + rows, "perlmutter-a100") == (1.0, cf.fit_share(other))
+
+
+def test_no_ll128_across_nodes_beyond_pxb():
+    """NCCL enables LL128 across nodes only where the GPU reaches its NIC by PXB or nearer (Hopper also by PXN):
+    the default rows for a host-bridge path (Perlmutter) have LL and Simple only, rings and trees alike."""
+    from axoplan.planner import gpu_physics
+
+    names = lambda d, k: [r["protocol"] for r in d[k]]  # noqa: E731
+    phb = gpu_physics.nccl_protocols(80, "amd", "PHB")
+    assert names(phb, "ring") == ["LL", "Simple"] and names(phb, "tree") == ["LL", "Simple"]
+    assert "no LL128 across nodes" in phb["source"]
+    for cap, path, kept in ((80, "PIX", True), (80, "PXB", True), (80, "PXN", False), (90, "PXN", True),
+                            (90, "SYS", False)):
+        assert ("LL128" in names(gpu_physics.nccl_protocols(cap, "intel", path), "ring")) is kept, (cap, path)
+    assert gpu_physics.nccl_protocols(80, "amd") == gpu_physics.nccl_protocols(80, "amd", "PXB")
+    with pytest.raises(ValueError, match="GPU-to-NIC path"):
+        gpu_physics.nccl_protocols(80, "amd", "NVL")

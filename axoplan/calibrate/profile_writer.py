@@ -345,8 +345,8 @@ def _device_section(meta: dict, tag: str) -> dict:
 
 
 def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
-    """network.protocols for a GPU run across nodes: NCCL's default rows for the GPU generation and host CPU
-    the worker recorded, their latencies scaled and the plateau fitted to the groups that cross nodes (the
+    """network.protocols for a GPU run across nodes: NCCL's default rows for the GPU generation, host CPU and
+    GPU-to-NIC path the worker recorded (no LL128 rows beyond PXB), their latencies scaled and the plateau fitted to the groups that cross nodes (the
     size x node-count curves). None where NCCL's defaults for the device are not written in axoplan (no
     CUDA, before Ampere, an unknown host CPU)."""
     from axoplan.calibrate.fit import fit_protocols
@@ -355,7 +355,9 @@ def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
 
     if not meta.get("cuda"):
         return None, None
-    d = gpu_physics.nccl_protocols(int(meta.get("cuda_capability") or 0), str(meta.get("cpu_vendor") or ""))
+    path = str(meta.get("nic_path") or "PXB")  # an older run, or no nvidia-smi: NCCL's rows as on DGX/HGX boards
+    d = gpu_physics.nccl_protocols(int(meta.get("cuda_capability") or 0), str(meta.get("cpu_vendor") or ""),
+                                   path if path in gpu_physics.NIC_PATHS else "PXB")
     cross = [r for r in rows if r["crosses_nodes"]]
     if d is None or len(cross) < 2:
         return None, None

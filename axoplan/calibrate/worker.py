@@ -11,7 +11,9 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -144,6 +146,35 @@ def _cpu_vendor() -> str:
     except OSError:
         pass
     return ""
+
+
+# nvidia-smi topo -m's legend -> NCCL's path type (gpu_physics.NIC_PATHS): NODE (PCIe host bridges of one NUMA
+# node) is a path through the CPU, NCCL's PHB
+_SMI_PATHS = {"PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS"}
+
+
+def nic_path_from_topo(text: str, gpu: int) -> str:
+    """The nearest NIC of GPU `gpu` in `nvidia-smi topo -m`'s matrix, as NCCL's path type ('' where the matrix
+    names no NIC or no row for that GPU). NCCL runs LL128 across nodes only up to PXB (network.protocols)."""
+    from axoplan.planner.gpu_physics import NIC_PATHS
+
+    lines = [ln.split() for ln in text.splitlines() if ln.strip()]
+    header = next((ln for ln in lines if ln and ln[0] == "GPU0"), None)  # the header's first column is GPU0
+    row = next((ln for ln in lines if ln and ln[0] == f"GPU{gpu}" and ln is not header and len(ln) > 1), None)
+    if header is None or row is None:
+        return ""
+    nics = [i for i, name in enumerate(header) if re.fullmatch(r"NIC\d+|mlx\d+_\d+", name)]
+    found = [_SMI_PATHS[row[i + 1]] for i in nics if i + 1 < len(row) and row[i + 1] in _SMI_PATHS]
+    return min(found, key=NIC_PATHS.index) if found else ""
+
+
+def _nic_path(gpu: int) -> str:
+    """nic_path_from_topo of this host's `nvidia-smi topo -m`, '' where it cannot run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return nic_path_from_topo(out.stdout, gpu)
 
 
 def merge_meta(old: dict, new: dict, parts: set) -> dict:
@@ -287,6 +318,8 @@ def main(argv=None) -> int:
         # NCCL's protocol constants differ by GPU generation and host CPU vendor (network.protocols)
         "cuda_capability": (lambda c: c[0] * 10 + c[1])(torch.cuda.get_device_capability(device)) if cuda else None,
         "cpu_vendor": _cpu_vendor(),
+        # and LL128 runs across nodes only where the GPU reaches its NIC by PXB or nearer
+        "nic_path": _nic_path(device.index or 0) if cuda else "",
         "dtype": "bf16" if cuda else "fp32",
         "world": world,
         "ranks_per_node": local_world,

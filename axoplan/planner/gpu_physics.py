@@ -180,12 +180,29 @@ def _protocols(net: dict, rd) -> Protocols | None:
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
 
 
-def nccl_protocols(capability: int, cpu_vendor: str) -> dict | None:
+# NCCL's GPU-to-NIC path types, nearest first (src/graph/topo.h topoPathTypeStr); LL128 runs across nodes only
+# where the ring's GPU-NIC path is PXB or nearer (tuning.cc ncclTopoTuneModel: 'Enable LL128 by default only on
+# Volta/Ampere/Hopper+NVLink', pEnable &= typeInter <= PATH_PXB; Hopper also over PXN)
+NIC_PATHS = ("PIX", "PXB", "PXN", "PHB", "SYS")
+
+
+def ll128_across_nodes(capability: int, nic_path: str) -> bool:
+    """Whether NCCL enables LL128 for inter-node rings and trees with this GPU-to-NIC path."""
+    if nic_path not in NIC_PATHS:
+        raise ValueError(f"unknown GPU-to-NIC path {nic_path!r} (known: {', '.join(NIC_PATHS)})")
+    near = NIC_PATHS.index(nic_path) <= NIC_PATHS.index("PXB")
+    return near or (capability >= 90 and nic_path == "PXN")
+
+
+def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB") -> dict | None:
     """network.protocols as NCCL's defaults give it for GPUs of compute capability `capability` (80 for
-    A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel'), every number with its source; None
-    for a generation whose constants are not written here (before Ampere, or not NVIDIA)."""
+    A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel') whose GPUs reach their NICs by
+    `nic_path` (NIC_PATHS: PXB, a PCIe switch shared by GPU and NIC as on DGX and HGX boards; PHB, through
+    the CPU's host bridge), every number with its source; None for a generation whose constants are not
+    written here (before Ampere, or not NVIDIA). Beyond PXB NCCL runs no LL128 across nodes: no LL128 rows."""
     if capability < 80 or cpu_vendor not in ("amd", "intel"):
         return None
+    ll128 = ll128_across_nodes(capability, nic_path)
     hopper = capability >= 90
     amd = cpu_vendor == "amd"
     src = NCCL_TUNING_SOURCE
@@ -198,10 +215,12 @@ def nccl_protocols(capability: int, cpu_vendor: str) -> dict | None:
     ring_ll128 = 36.7 if hopper else 20.0  # perChMaxRingLL128Bws
     tree_ll128 = [36.7, 29.0] if hopper else [20.0, 20.0]  # perChMaxTreeLL128Bws: 2 nodes, more
     tree_simple = [41.4, 36.0] if hopper else [23.6, 17.8]  # perChMaxTreeBws: 2 nodes, more
-    return {
+    d = {
         "source": (f"{src}; {gen} GPUs (compute capability {capability}), {'AMD' if amd else 'Intel'} x86 host "
                    f"CPUs: getNetOverhead {over:g} us, x3 for Simple, raises each intra-node step of an inter-node "
-                   f"ring; llMaxBws for multi-node jobs {ll_max[0]:g} GB/s on 2 nodes, {ll_max[1]:g} on more"),
+                   f"ring; llMaxBws for multi-node jobs {ll_max[0]:g} GB/s on 2 nodes, {ll_max[1]:g} on more"
+                   + ("" if ll128 else f"; GPU-to-NIC path {nic_path}: no LL128 across nodes (ncclTopoTuneModel "
+                                       f"enables it only where the path is PXB or nearer)")),
         "channels": {"value": 8, "source": "documented assumption: NCCL builds one ring per NIC on a rail-optimised "
                                            "node of 8 GPUs and 8 compute NICs; bounds only the per-channel caps"},
         "ring_plateau": {"value": 1.4, "source": f"{src} ncclTopoGetAlgoTime: a Simple ring all-reduce across nodes "
@@ -240,3 +259,7 @@ def nccl_protocols(capability: int, cpu_vendor: str) -> dict | None:
                        f"nodes, {tree_simple[1]:g} on more)"},
         ],
     }
+    if not ll128:
+        d["ring"] = [r for r in d["ring"] if r["protocol"] != "LL128"]
+        d["tree"] = [r for r in d["tree"] if r["protocol"] != "LL128"]
+    return d
