@@ -73,10 +73,12 @@ DATA = Path(__file__).resolve().parent / "data"
 # --pp-partition-method 'type:transformer|embedding'
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
-    optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False,
+    optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
            "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
-           "DeepSpeed pipeline engine)")
+           "DeepSpeed pipeline engine; its ColumnParallelLinear all-reduces dI after the layer's backward through "
+           "copy_to_tensor_model_parallel_region, no async all-reduce beside the dW GEMM: bigscience-workshop/"
+           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")

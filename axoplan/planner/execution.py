@@ -55,6 +55,10 @@ class Execution:
     overlap_param_gather: bool = False
     # the forward's tensor-parallel collectives pipelined with their own GEMMs (Megatron --tp-comm-overlap)
     tp_comm_overlap: bool = False
+    # the backward's tensor-parallel dI all-reduce beside the layer's dW GEMM (Megatron-LM's async all-reduce,
+    # LinearWithGradAccumulationAndAsyncCommunication; the bundled trainer's OAR); false: after the layer's whole
+    # backward, blocking (an autograd all-reduce of the input's gradient, as copy_to_tensor_model_parallel_region)
+    tp_backward_overlap: bool = True
     # eager: the bundled trainer's own element-wise kernels, op for op as traced (runtime/optrace.py); fused: one
     # kernel per norm, activation, rotary embedding and the loss (Megatron's fusions, llm-foundry's), whose loss
     # keeps no fp32 copy of the logits and whose norm backward has no fp32 temporaries

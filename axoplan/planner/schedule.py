@@ -276,12 +276,13 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         if with_gather:
             comp["weight cast"] = casts[i]
         return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"],
-                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap, colls[i].get("ag_input"))
+                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap and ex.tp_backward_overlap,
+                         colls[i].get("ag_input"))
 
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
                      [norm_b], head_colls["ar_bwd"], [head_colls["ag"]] if ex.reshard_after_forward else [],
-                     head_colls["rs"], overlap)
+                     head_colls["rs"], overlap and ex.tp_backward_overlap)
     emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
                    moments=EMBEDDING_MOMENTS)
 
