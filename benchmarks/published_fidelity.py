@@ -74,11 +74,15 @@ DATA = Path(__file__).resolve().parent / "data"
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
     optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
+    sharded_gradient_all_reduce=True,
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
            "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
            "DeepSpeed pipeline engine; its ColumnParallelLinear all-reduces dI after the layer's backward through "
            "copy_to_tensor_model_parallel_region, no async all-reduce beside the dW GEMM: bigscience-workshop/"
-           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2)")
+           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; bf16 in the pipeline engine: the fp32 gradients "
+           "all-reduced over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads, "
+           "buffered_allreduce_fallback over the BF16_Optimizer's fp32 gradients), the partitioned step, the bf16 "
+           "weights all-gathered)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")

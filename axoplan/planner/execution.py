@@ -49,6 +49,10 @@ class Execution:
     # data-parallel: the states split over D (Megatron's distributed optimizer, ZeRO-1): gradients
     # reduce-scattered, the updated compute-dtype weights all-gathered
     optimizer_sharding: str = "none"
+    # with optimizer sharding, the fp32 gradients all-reduced whole over D before each rank steps its partition
+    # (DeepSpeed's BF16_Optimizer in its pipeline engine: PipelineEngine._bf16_reduce_grads runs
+    # buffered_allreduce_fallback over the optimizer's fp32 gradients), not reduce-scattered
+    sharded_gradient_all_reduce: bool = False
     # the D gradient reduction per bucket beside the last micro-batch's backward, not after it
     overlap_grad_reduce: bool = Overlap().data_parallel
     # optimizer sharding: the D all-gather of the updated weights beside the next step's first forward
