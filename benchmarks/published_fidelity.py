@@ -74,7 +74,7 @@ DATA = Path(__file__).resolve().parent / "data"
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
     optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
-    sharded_gradient_all_reduce=True,
+    sharded_gradient_all_reduce=True, pipeline_p2p_split=True, pipeline_blocking_p2p=True,
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
            "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
            "DeepSpeed pipeline engine; its ColumnParallelLinear all-reduces dI after the layer's backward through "
@@ -82,7 +82,8 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
            "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; bf16 in the pipeline engine: the fp32 gradients "
            "all-reduced over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads, "
            "buffered_allreduce_fallback over the BF16_Optimizer's fp32 gradients), the partitioned step, the bf16 "
-           "weights all-gathered)")
+           "weights all-gathered; its pipeline's transfers partitioned over the TP ranks (PipelineEngine "
+           "is_pipe_partitioned: PartitionedTensor) and blocking (p2p.send/recv instructions of its TrainSchedule))")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")

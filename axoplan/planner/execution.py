@@ -104,6 +104,12 @@ class Execution:
     # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
     # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
     pipeline_even_split: bool = False
+    # the stage-boundary transfer split over the Y ranks (each sends its 1/gy part; DeepSpeed's pipe_partitioned
+    # PartitionedTensor, Megatron's scatter-gather without SP); the receivers' gather inside the node is not counted
+    pipeline_p2p_split: bool = False
+    # each transfer occupies its sender too (DeepSpeed's PipelineEngine: blocking p2p.send/recv instructions in
+    # its schedule); false: sent beside the sender's next operation (torch.distributed.pipelining's isend)
+    pipeline_blocking_p2p: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
     # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the

@@ -328,6 +328,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
     p2p_bytes = T / ex.sequence_split(gy) * model.hidden / gx * e
+    if ex.pipeline_p2p_split and not ex.sequence_parallel:
+        p2p_bytes = p2p_bytes / gy
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
