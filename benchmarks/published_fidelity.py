@@ -74,16 +74,22 @@ DATA = Path(__file__).resolve().parent / "data"
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
     optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
-    sharded_gradient_all_reduce=True, pipeline_p2p_split=True, pipeline_blocking_p2p=True,
+    pipeline_p2p_split=True, pipeline_blocking_p2p=True,
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
-           "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
+           "DeepSpeed's ZeRO-1, --checkpoint-activations, default dropout, fused softmax, no SP, "
            "DeepSpeed pipeline engine; its ColumnParallelLinear all-reduces dI after the layer's backward through "
            "copy_to_tensor_model_parallel_region, no async all-reduce beside the dW GEMM: bigscience-workshop/"
-           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; bf16 in the pipeline engine: the fp32 gradients "
-           "all-reduced over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads, "
-           "buffered_allreduce_fallback over the BF16_Optimizer's fp32 gradients), the partitioned step, the bf16 "
-           "weights all-gathered; its pipeline's transfers partitioned over the TP ranks (PipelineEngine "
-           "is_pipe_partitioned: PartitionedTensor) and blocking (p2p.send/recv instructions of its TrainSchedule))")
+           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; its pipeline's transfers partitioned over the TP "
+           "ranks (deepspeed/runtime/pipe/engine.py is_pipe_partitioned: PartitionedTensor) and blocking "
+           "(p2p.send/recv instructions of its TrainSchedule))")
+# from 02-28 on (the csv's notes: 'BF16 optimizer w/ fp32 grad accumulation'), DeepSpeed's BF16_Optimizer, the
+# slurm's "own zero stage 1 equivalent" (ZERO_STAGE=0): in the pipeline engine its fp32 gradients are all-reduced
+# over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
+# over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
+MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
+    MEGATRON_DEEPSPEED, name="megatron-deepspeed-bf16-optimizer", sharded_gradient_all_reduce=True,
+    source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: fp32 gradients all-reduced over D "
+                                       "(pipe/engine.py _bf16_reduce_grads), the partitioned step")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -266,7 +272,8 @@ def bloom():
         runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
                         (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
-                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [], MEGATRON_DEEPSPEED,
+                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [],
+                        MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
                         pp=int(r["pp"]), oom=oom))
     return runs, out
 
