@@ -87,7 +87,7 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
 # over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
 # over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
 MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
-    MEGATRON_DEEPSPEED, name="megatron-deepspeed-bf16-optimizer", sharded_gradient_all_reduce=True,
+    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True,
     source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: fp32 gradients all-reduced over D "
                                        "(pipe/engine.py _bf16_reduce_grads), the partitioned step")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
