@@ -74,22 +74,25 @@ DATA = Path(__file__).resolve().parent / "data"
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
     optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
-    pipeline_p2p_split=True, pipeline_blocking_p2p=True,
+    pipeline_p2p_split=True, pipeline_blocking_p2p=True, gradient_accumulation="compute",
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
            "DeepSpeed's ZeRO-1, --checkpoint-activations, default dropout, fused softmax, no SP, "
-           "DeepSpeed pipeline engine; its ColumnParallelLinear all-reduces dI after the layer's backward through "
+           "DeepSpeed pipeline engine, the weight gradients summed over micro-batches in bf16 by autograd (ZeRO-1's "
+           ".grad; fp32 accumulation came with the BF16 optimizer on 02-28, the csv's notes); its ColumnParallelLinear all-reduces dI after the layer's backward through "
            "copy_to_tensor_model_parallel_region, no async all-reduce beside the dW GEMM: bigscience-workshop/"
            "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; its pipeline's transfers partitioned over the TP "
            "ranks (deepspeed/runtime/pipe/engine.py is_pipe_partitioned: PartitionedTensor) and blocking "
            "(p2p.send/recv instructions of its TrainSchedule))")
 # from 02-28 on (the csv's notes: 'BF16 optimizer w/ fp32 grad accumulation'), DeepSpeed's BF16_Optimizer, the
-# slurm's "own zero stage 1 equivalent" (ZERO_STAGE=0): in the pipeline engine its fp32 gradients are all-reduced
+# slurm's "own zero stage 1 equivalent" (ZERO_STAGE=0): each micro-batch's gradients added into fp32 ones
+# (update_hp_grads after every backward), and in the pipeline engine its fp32 gradients are all-reduced
 # over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
 # over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
 MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
-    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True,
-    source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: fp32 gradients all-reduced over D "
-                                       "(pipe/engine.py _bf16_reduce_grads), the partitioned step")
+    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True, gradient_accumulation="fp32",
+    source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added "
+                                       "into its fp32 ones (pipe/engine.py _exec_backward_pass: update_hp_grads), "
+                                       "fp32 gradients all-reduced over D (_bf16_reduce_grads), the partitioned step")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")

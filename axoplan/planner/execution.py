@@ -30,6 +30,7 @@ RECOMPUTE = ("full", "op-selective", "attention-core")
 ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
+GRADIENT_ACCUMULATION = ("fp32", "fused", "compute")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 PIPELINE = ("none", "1f1b", "interleaved")
 
@@ -94,6 +95,11 @@ class Execution:
     # the dtype of the Z gradient reduce-scatter: compute (the trainer's bf16) or fp32 (gradients cast up before
     # it: FSDP2's reduce_dtype float32, torchtitan's mixed_precision_reduce default)
     gradient_reduce: str = "compute"
+    # how a Linear's weight gradient joins the micro-batches' sum. fp32: cast to fp32 and added to the fp32
+    # gradient after each backward (the trainer); fused: accumulated into the fp32 gradient by the dW GEMM itself
+    # (Megatron's default --gradient-accumulation-fusion, wgrad_gemm_accum_fp32), no pass of its own; compute:
+    # summed in the compute dtype by autograd's AccumulateGrad (DeepSpeed ZeRO-1's bf16 .grad), no cast
+    gradient_accumulation: str = "fp32"
     # a checkpointing block's recompute gathers its first weight ahead, during the previous block's backward;
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)
@@ -239,7 +245,10 @@ def op_selective(model) -> SelectiveRecompute:
 
 _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
                     "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
-                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); its pipeline runs 1F1B or, with "
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32) inside the dW GEMM "
+                    "(--no-gradient-accumulation-fusion is an opt-out, store_false: NVIDIA/Megatron-LM "
+                    "megatron/arguments.py @0012901; tensor_parallel layers call "
+                    "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 on main_grad); its pipeline runs 1F1B or, with "
                     "--num-layers-per-virtual-pipeline-stage, the interleaved 1F1B of Narayanan et al. 2021, the "
                     "layers split evenly over the (virtual) stages; it fuses by default (its "
                     "arguments only offer opt-outs: --no-bias-gelu-fusion, --no-bias-dropout-fusion, "
@@ -249,7 +258,7 @@ _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Floa
 PRESETS = {
     "axoplan": AXOPLAN,
     "megatron-core": Execution(
-        "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
         pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
@@ -258,7 +267,7 @@ PRESETS = {
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
                + _MEGATRON_FUSION),
     "megatron-lm": Execution(
-        "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        "megatron-lm", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
         pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
@@ -302,7 +311,8 @@ PRESETS = {
 
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
-           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
+           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE,
+           "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
                   "first, or empty for any; pipeline: which schedules it runs")
