@@ -495,3 +495,20 @@ def test_blocking_split_pipeline_transfers():
     assert float(np.ravel(s_split.p2p_bytes)[0]) == pytest.approx(float(np.ravel(s0.p2p_bytes)[0]) / 4)
     # 16 micro-batches, each rank sending at least one transfer per micro-batch on its own time
     assert t_block >= t_split + 16 * float(np.ravel(s_split.p2p)[0]) * 0.99
+
+
+def test_gradient_accumulation_by_hand():
+    # per micro-batch, each Linear's bf16 weight gradient [k/gx, n/gy]: fp32 (the trainer) casts it (2 + 4 bytes)
+    # and adds it to the fp32 one (12 bytes); fused (Megatron) leaves it to the dW GEMM; compute adds it in bf16
+    m = tiny_model()
+    w = {mode: elementwise_work(m, 1, 2, 1, 2, 64, 2, execution=Execution(gradient_accumulation=mode))
+         for mode in ("fp32", "fused", "compute")}
+    elems = sum(lin.local(1, 2)[0] * lin.local(1, 2)[1] for lin in m.block_linears())
+    lm = m.lm_head().local(1, 2)
+    assert float(w["fp32"].block_bwd.bytes - w["fused"].block_bwd.bytes) == pytest.approx(18 * elems)
+    assert float(w["fp32"].block_bwd.bytes - w["compute"].block_bwd.bytes) == pytest.approx((18 - 6) * elems)
+    assert float(w["fp32"].head_bwd.bytes - w["fused"].head_bwd.bytes) == pytest.approx(18 * lm[0] * lm[1])
+    assert float(w["fp32"].block_bwd.kernels - w["fused"].block_bwd.kernels) == 2 * len(m.block_linears())
+    assert PRESETS["megatron-lm"].gradient_accumulation == PRESETS["megatron-core"].gradient_accumulation == "fused"
+    with pytest.raises(UserError):
+        load_execution(Execution(gradient_accumulation="bf16"))
