@@ -37,7 +37,7 @@ experiments) is printed as its own table: the schedule's block windows of one mi
 one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap), and
 with every run predicted with the bundled trainer's execution instead of its framework's.
 
-    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate]
+    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate] [--rows DATASET]
 """
 from __future__ import annotations
 
@@ -457,6 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--excluded", action="store_true", help="list every row left out, with its reason")
     ap.add_argument("--worst", type=int, default=3, help="worst rows shown per dataset")
     ap.add_argument("--ablate", action="store_true", help="also each GPU mechanism's share (physics off / one on)")
+    ap.add_argument("--rows", metavar="DATASET", action="append", default=[],
+                    help="also every row of DATASET (repeatable; 'all' for every dataset): grid, micro-batch, "
+                         "measured and predicted seconds, their ratio")
     ap.add_argument("--write-uncertainty", action="store_true",
                     help=f"write the expected error per regime that rank and explain state ({UNCERTAINTY_FILE})")
     args = ap.parse_args(argv)
@@ -523,6 +526,15 @@ def main(argv=None) -> int:
             print(f"  {ds:22} {r['label'][:44]:44} {r['grid']:>12} mb{r['micro_batch']:<3} "
                   f"{'ck' if r['checkpointing'] else '  '} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
                   f"{r['ratio']:5.2f} {flags}")
+    for ds in [d for d in datasets if d in args.rows or "all" in args.rows]:
+        print(f"\nevery row of {ds} (grid gx x gy x gz x gdata [pp, v], mb, measured s, predicted s, pred/meas):")
+        for r in (r for r in rows if r["dataset"] == ds):
+            if "ratio" in r:
+                print(f"  {r['label'][:60]:60} {r['grid']:>16} mb{r['micro_batch']:<3} {r['measured_s']:9.3f} "
+                      f"{r['predicted_s']:9.3f} {r['ratio']:5.2f}")
+            elif r.get("oom"):
+                print(f"  {r['label'][:60]:60} {r['grid']:>16} OOM in the source; the model: "
+                      f"{'feasible' if r['feasible'] else 'infeasible'} at {r['memory_gib']:.1f} GiB")
     print("\none layer of Korthikanti et al.'s GPT-22B (Table 4, Selene A100, t = 8, micro-batch 4), ms, pred/meas:")
     for r in layers:
         print(f"  {r['experiment']:26} forward {r['forward_ms']:5.1f} {r['pred_forward_ms']:6.2f} "
