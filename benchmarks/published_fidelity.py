@@ -37,7 +37,7 @@ experiments) is printed as its own table: the schedule's block windows of one mi
 one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap), and
 with every run predicted with the bundled trainer's execution instead of its framework's.
 
-    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate]
+    python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate] [--rows DATASET]
 """
 from __future__ import annotations
 
@@ -73,10 +73,26 @@ DATA = Path(__file__).resolve().parent / "data"
 # --pp-partition-method 'type:transformer|embedding'
 MEGATRON_DEEPSPEED = dataclasses.replace(
     PRESETS["megatron-lm"], name="megatron-deepspeed", sequence_parallel=False, recompute="full",
-    optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False,
+    optimizer_sharding="data-parallel", pipeline="1f1b", pipeline_even_split=False, tp_backward_overlap=False,
+    pipeline_p2p_split=True, pipeline_blocking_p2p=True, gradient_accumulation="compute",
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
-           "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
-           "DeepSpeed pipeline engine)")
+           "DeepSpeed's ZeRO-1, --checkpoint-activations, default dropout, fused softmax, no SP, "
+           "DeepSpeed pipeline engine, the weight gradients summed over micro-batches in bf16 by autograd (ZeRO-1's "
+           ".grad; fp32 accumulation came with the BF16 optimizer on 02-28, the csv's notes); its ColumnParallelLinear all-reduces dI after the layer's backward through "
+           "copy_to_tensor_model_parallel_region, no async all-reduce beside the dW GEMM: bigscience-workshop/"
+           "Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2; its pipeline's transfers partitioned over the TP "
+           "ranks (deepspeed/runtime/pipe/engine.py is_pipe_partitioned: PartitionedTensor) and blocking "
+           "(p2p.send/recv instructions of its TrainSchedule))")
+# from 02-28 on (the csv's notes: 'BF16 optimizer w/ fp32 grad accumulation'), DeepSpeed's BF16_Optimizer, the
+# slurm's "own zero stage 1 equivalent" (ZERO_STAGE=0): each micro-batch's gradients added into fp32 ones
+# (update_hp_grads after every backward), and in the pipeline engine its fp32 gradients are all-reduced
+# over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
+# over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
+MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
+    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True, gradient_accumulation="fp32",
+    source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added "
+                                       "into its fp32 ones (pipe/engine.py _exec_backward_pass: update_hp_grads), "
+                                       "fp32 gradients all-reduced over D (_bf16_reduce_grads), the partitioned step")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -259,7 +275,8 @@ def bloom():
         runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
                         (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
-                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [], MEGATRON_DEEPSPEED,
+                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [],
+                        MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
                         pp=int(r["pp"]), oom=oom))
     return runs, out
 
@@ -440,6 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--excluded", action="store_true", help="list every row left out, with its reason")
     ap.add_argument("--worst", type=int, default=3, help="worst rows shown per dataset")
     ap.add_argument("--ablate", action="store_true", help="also each GPU mechanism's share (physics off / one on)")
+    ap.add_argument("--rows", metavar="DATASET", action="append", default=[],
+                    help="also every row of DATASET (repeatable; 'all' for every dataset): grid, micro-batch, "
+                         "measured and predicted seconds, their ratio")
     ap.add_argument("--write-uncertainty", action="store_true",
                     help=f"write the expected error per regime that rank and explain state ({UNCERTAINTY_FILE})")
     args = ap.parse_args(argv)
@@ -506,6 +526,15 @@ def main(argv=None) -> int:
             print(f"  {ds:22} {r['label'][:44]:44} {r['grid']:>12} mb{r['micro_batch']:<3} "
                   f"{'ck' if r['checkpointing'] else '  '} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
                   f"{r['ratio']:5.2f} {flags}")
+    for ds in [d for d in datasets if d in args.rows or "all" in args.rows]:
+        print(f"\nevery row of {ds} (grid gx x gy x gz x gdata [pp, v], mb, measured s, predicted s, pred/meas):")
+        for r in (r for r in rows if r["dataset"] == ds):
+            if "ratio" in r:
+                print(f"  {r['label'][:60]:60} {r['grid']:>16} mb{r['micro_batch']:<3} {r['measured_s']:9.3f} "
+                      f"{r['predicted_s']:9.3f} {r['ratio']:5.2f}")
+            elif r.get("oom"):
+                print(f"  {r['label'][:60]:60} {r['grid']:>16} OOM in the source; the model: "
+                      f"{'feasible' if r['feasible'] else 'infeasible'} at {r['memory_gib']:.1f} GiB")
     print("\none layer of Korthikanti et al.'s GPT-22B (Table 4, Selene A100, t = 8, micro-batch 4), ms, pred/meas:")
     for r in layers:
         print(f"  {r['experiment']:26} forward {r['forward_ms']:5.1f} {r['pred_forward_ms']:6.2f} "

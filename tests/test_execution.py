@@ -443,3 +443,72 @@ def test_hidden_dropout_work_by_hand():
         assert float(on.block_fwd.bytes - off.block_fwd.bytes) == pytest.approx(2 * extra)
         assert float(on.block_bwd.bytes - off.block_bwd.bytes) == pytest.approx(2 * extra)
         assert float(on.block_fwd.kernels - off.block_fwd.kernels) == 2 * kernels
+
+
+def test_sharded_gradients_all_reduced_whole():
+    # DeepSpeed's bf16 pipeline engine: the fp32 gradients all-reduced over D, then the partitioned step's
+    # weights all-gathered
+    m = tiny_model()
+    prof = load_profile("dgx-h100")
+    ex = dataclasses.replace(PRESETS["megatron-core"], overlap_grad_reduce=False, overlap_param_gather=False,
+                             sharded_gradient_all_reduce=True)
+    s, _ = _sched(m, prof, (1, 2, 1, 4), ex)
+    shard = float(s.params.total[0])
+    assert (s.step[0].kind, s.step[0].axis, float(s.step[0].nbytes[0])) == ("all_reduce", "d", shard * 4)
+    assert (s.step[1].kind, s.step[1].layer, float(s.step[1].nbytes[0])) == ("all_gather", "weights", shard * 2)
+    rs, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, sharded_gradient_all_reduce=False))
+    assert float(s.step[0].seconds[0]) > float(rs.step[0].seconds[0])
+
+
+def test_tp_backward_all_reduce_without_overlap_blocks():
+    m = load_model("gpt-20b")
+    prof = load_profile("dgx-a100")
+    ex = dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=False)
+    s_on, _ = _sched(m, prof, (1, 8, 1, 4), ex, batch=32)
+    s_off, _ = _sched(m, prof, (1, 8, 1, 4), dataclasses.replace(ex, tp_backward_overlap=False), batch=32)
+    fc1_on = [w for w in s_on.backward.block if w.name == "fc1"][0]
+    fc1_off = [w for w in s_off.backward.block if w.name == "fc1"][0]
+    assert [c.kind for c in fc1_on.beside["gemm wgrad"]] == ["all_reduce"]
+    assert not fc1_off.beside and "all_reduce" in [c.kind for c in fc1_off.blocking if c.axis == "y"]
+    # the all-reduce no longer hidden behind the dW GEMM: the step is slower (no contention to offset it)
+    calm = prof.replace(physics=dataclasses.replace(prof.physics, overlap_slowdown=0.0))
+    t_on = timing.step_time(calm, _sched(m, calm, (1, 8, 1, 4), ex, batch=32)[0], True).batch
+    t_off = timing.step_time(calm, _sched(m, calm, (1, 8, 1, 4), dataclasses.replace(ex, tp_backward_overlap=False),
+                                          batch=32)[0], True).batch
+    assert float(t_off[0]) > float(t_on[0])
+
+
+def test_blocking_split_pipeline_transfers():
+    # DeepSpeed's pipeline: each TP rank sends 1/gy of the activation, and the send occupies its sender
+    m = load_model("gpt-20b")
+    prof = load_profile("dgx-a100")
+    base = dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=False, pipeline="1f1b")
+    kw = dict(grid=(1, 4, 1, 2), order="yzx", seq_len=2048, micro_batch=1, checkpointing=True, pp=4)
+
+    def run(**ex):
+        e = explain(m, prof, 32, 64, execution=dataclasses.replace(base, **ex), **kw)
+        return float(e.summary.iloc[0].batch_time_s), e.detail["schedule"]
+
+    t0, s0 = run()
+    t_split, s_split = run(pipeline_p2p_split=True)
+    t_block, _ = run(pipeline_p2p_split=True, pipeline_blocking_p2p=True)
+    assert float(np.ravel(s_split.p2p_bytes)[0]) == pytest.approx(float(np.ravel(s0.p2p_bytes)[0]) / 4)
+    # 16 micro-batches, each rank sending at least one transfer per micro-batch on its own time
+    assert t_block >= t_split + 16 * float(np.ravel(s_split.p2p)[0]) * 0.99
+
+
+def test_gradient_accumulation_by_hand():
+    # per micro-batch, each Linear's bf16 weight gradient [k/gx, n/gy]: fp32 (the trainer) casts it (2 + 4 bytes)
+    # and adds it to the fp32 one (12 bytes); fused (Megatron) leaves it to the dW GEMM; compute adds it in bf16
+    m = tiny_model()
+    w = {mode: elementwise_work(m, 1, 2, 1, 2, 64, 2, execution=Execution(gradient_accumulation=mode))
+         for mode in ("fp32", "fused", "compute")}
+    elems = sum(lin.local(1, 2)[0] * lin.local(1, 2)[1] for lin in m.block_linears())
+    lm = m.lm_head().local(1, 2)
+    assert float(w["fp32"].block_bwd.bytes - w["fused"].block_bwd.bytes) == pytest.approx(18 * elems)
+    assert float(w["fp32"].block_bwd.bytes - w["compute"].block_bwd.bytes) == pytest.approx((18 - 6) * elems)
+    assert float(w["fp32"].head_bwd.bytes - w["fused"].head_bwd.bytes) == pytest.approx(18 * lm[0] * lm[1])
+    assert float(w["fp32"].block_bwd.kernels - w["fused"].block_bwd.kernels) == 2 * len(m.block_linears())
+    assert PRESETS["megatron-lm"].gradient_accumulation == PRESETS["megatron-core"].gradient_accumulation == "fused"
+    with pytest.raises(UserError):
+        load_execution(Execution(gradient_accumulation="bf16"))

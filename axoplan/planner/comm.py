@@ -475,14 +475,15 @@ def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_ele
     norm over every GPU; the barrier that closes each timed step. An execution that shards the optimizer
     over D reduce-scatters the gradients instead and all-gathers the updated weights after the optimizer
     (phase 'next forward' where it overlaps the next step's first forward)."""
-    kind = "reduce_scatter" if execution.optimizer_sharding == "data-parallel" else "all_reduce"
+    sharded = execution.optimizer_sharding == "data-parallel"
+    kind = "reduce_scatter" if sharded and not execution.sharded_gradient_all_reduce else "all_reduce"
     if buckets is None:
         grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", kind, "d", shard_elements * FP32),
                                      after="backward_first")]
     else:
         grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", kind, "d", elems * FP32),
                                      calls=calls, after="backward") for _, elems, calls in buckets]
-    if kind == "reduce_scatter":
+    if sharded:
         phase = "next forward" if execution.overlap_param_gather else "step"
         grads.append(dataclasses.replace(_coll(profile, g, "weights", phase, "all_gather", "d",
                                                shard_elements * dtype_bytes), after="optimizer"))

@@ -151,12 +151,18 @@ def _norm_bwd(kind: str, T, hx, e: int) -> Work:
     return w + Work(3 * (e + 4) * T * hx, 3) * (e != 4)
 
 
-def _accumulate(s, nb, gz, e: int, grad_e: int) -> Work:
+def _accumulate(s, nb, gz, e: int, grad_e: int, mode: str = "fp32") -> Work:
     """A weight's gradient block [nb] (dtype grad_e) into its fp32 shard [s]: padding for the
-    reduce-scatter when gz does not divide it, the cast to the collective dtype, the cast back, add_."""
+    reduce-scatter when gz does not divide it, the cast to the collective dtype, the cast back, add_.
+    mode (Execution.gradient_accumulation): fused, no cast back nor add (the dW GEMM accumulates); compute,
+    an add in the compute dtype and no cast."""
     split = np.asarray(gz) > 1
     pad = Work(grad_e * nb + grad_e * s * gz, 1) * (split & (s * gz != nb))
     to_coll = Work((grad_e + e) * s * gz, 1) * split * (grad_e != e)
+    if mode == "fused":
+        return pad + to_coll
+    if mode == "compute":
+        return pad + to_coll + Work(3 * e * s, 1)
     back = Work((e + 4) * s, 1) * np.where(split, e != 4, grad_e != 4)
     return pad + to_coll + back + Work(12 * s, 1)
 
@@ -246,7 +252,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     lins = model.block_linears()
     casts = [Work((4 + e) * shard(lin)[0], 1) * cast for lin in lins]
     red = execution.reduce_bytes(e)  # the gradient reduce-scatter's dtype
-    acc = sum(_accumulate(*shard(lin), gz, red, e) for lin in lins)
+    mode = execution.gradient_accumulation
+    acc = sum(_accumulate(*shard(lin), gz, red, e, mode) for lin in lins)
 
     rope = model.position == "rope"
     attn_f = Work()
@@ -292,7 +299,7 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     # a prefetched gather over Z casts its shard when launched, one weight early; without Z the block casts at use
     early = prefetch * (np.asarray(gz) > 1)
     head_fwd = _norm_fwd(model.norm, Ts, hx, e) + lm_cast * (1 + early) + loss[0]
-    head_bwd = (loss[1] + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, red, e)
+    head_bwd = (loss[1] + lm_cast * (1 - early) + _accumulate(s_lm, nb_lm, gz, red, e, mode)
                 + _norm_bwd(model.norm, Ts, hx, e) + Work(12 * hx, 1) * later)
     # a zero fp32 [V/gy, H/gx] gradient, the masked dout, index_add_; the step's loss sum (2 kernels) lands here too
     emb_bwd = (Work(4 * V * hx + 8 * T + 20 * T * hx + T, 3) + Work((e + 4) * T * hx, 1) * half
@@ -302,7 +309,8 @@ def _elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, d
     shift = casts[0] * early
     if execution.elementwise_kernels == "fused":
         return _fused(model, T, Ts, S, hx, hq, hkv, hd, f, V, e, acc, casts, lm_cast, early, learned, later,
-                      _accumulate(s_lm, nb_lm, gz, red, e), _accumulate(s_emb, nb_emb, gz, red, 4), s_emb, shift, cast,
+                      _accumulate(s_lm, nb_lm, gz, red, e, mode), _accumulate(s_emb, nb_emb, gz, red, 4), s_emb,
+                      shift, cast,
                       loss, execution.dropout)
     return ElementwiseWork(block_fwd, block_bwd, casts, emb_fwd, head_fwd, head_bwd, emb_bwd, shift)
 

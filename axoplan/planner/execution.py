@@ -30,6 +30,7 @@ RECOMPUTE = ("full", "op-selective", "attention-core")
 ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
+GRADIENT_ACCUMULATION = ("fp32", "fused", "compute")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 PIPELINE = ("none", "1f1b", "interleaved")
 
@@ -49,12 +50,20 @@ class Execution:
     # data-parallel: the states split over D (Megatron's distributed optimizer, ZeRO-1): gradients
     # reduce-scattered, the updated compute-dtype weights all-gathered
     optimizer_sharding: str = "none"
+    # with optimizer sharding, the fp32 gradients all-reduced whole over D before each rank steps its partition
+    # (DeepSpeed's BF16_Optimizer in its pipeline engine: PipelineEngine._bf16_reduce_grads runs
+    # buffered_allreduce_fallback over the optimizer's fp32 gradients), not reduce-scattered
+    sharded_gradient_all_reduce: bool = False
     # the D gradient reduction per bucket beside the last micro-batch's backward, not after it
     overlap_grad_reduce: bool = Overlap().data_parallel
     # optimizer sharding: the D all-gather of the updated weights beside the next step's first forward
     overlap_param_gather: bool = False
     # the forward's tensor-parallel collectives pipelined with their own GEMMs (Megatron --tp-comm-overlap)
     tp_comm_overlap: bool = False
+    # the backward's tensor-parallel dI all-reduce beside the layer's dW GEMM (Megatron-LM's async all-reduce,
+    # LinearWithGradAccumulationAndAsyncCommunication; the bundled trainer's OAR); false: after the layer's whole
+    # backward, blocking (an autograd all-reduce of the input's gradient, as copy_to_tensor_model_parallel_region)
+    tp_backward_overlap: bool = True
     # eager: the bundled trainer's own element-wise kernels, op for op as traced (runtime/optrace.py); fused: one
     # kernel per norm, activation, rotary embedding and the loss (Megatron's fusions, llm-foundry's), whose loss
     # keeps no fp32 copy of the logits and whose norm backward has no fp32 temporaries
@@ -86,6 +95,11 @@ class Execution:
     # the dtype of the Z gradient reduce-scatter: compute (the trainer's bf16) or fp32 (gradients cast up before
     # it: FSDP2's reduce_dtype float32, torchtitan's mixed_precision_reduce default)
     gradient_reduce: str = "compute"
+    # how a Linear's weight gradient joins the micro-batches' sum. fp32: cast to fp32 and added to the fp32
+    # gradient after each backward (the trainer); fused: accumulated into the fp32 gradient by the dW GEMM itself
+    # (Megatron's default --gradient-accumulation-fusion, wgrad_gemm_accum_fp32), no pass of its own; compute:
+    # summed in the compute dtype by autograd's AccumulateGrad (DeepSpeed ZeRO-1's bf16 .grad), no cast
+    gradient_accumulation: str = "fp32"
     # a checkpointing block's recompute gathers its first weight ahead, during the previous block's backward;
     # false: each recomputed block issues that gather itself and waits for it (Megatron-AxoNN's prefetch, one
     # Linear ahead, restarted per recomputed layer)
@@ -96,6 +110,12 @@ class Execution:
     # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
     # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
     pipeline_even_split: bool = False
+    # the stage-boundary transfer split over the Y ranks (each sends its 1/gy part; DeepSpeed's pipe_partitioned
+    # PartitionedTensor, Megatron's scatter-gather without SP); the receivers' gather inside the node is not counted
+    pipeline_p2p_split: bool = False
+    # each transfer occupies its sender too (DeepSpeed's PipelineEngine: blocking p2p.send/recv instructions in
+    # its schedule); false: sent beside the sender's next operation (torch.distributed.pipelining's isend)
+    pipeline_blocking_p2p: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
     # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the
@@ -219,7 +239,10 @@ def op_selective(model) -> SelectiveRecompute:
 
 _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Float16Module; "
                     "megatron/core/optimizer: main params fp32) and accumulates gradients in fp32 "
-                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32); its pipeline runs 1F1B or, with "
+                    "(arguments.py: bf16 forces accumulate_allreduce_grads_in_fp32) inside the dW GEMM "
+                    "(--no-gradient-accumulation-fusion is an opt-out, store_false: NVIDIA/Megatron-LM "
+                    "megatron/arguments.py @0012901; tensor_parallel layers call "
+                    "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 on main_grad); its pipeline runs 1F1B or, with "
                     "--num-layers-per-virtual-pipeline-stage, the interleaved 1F1B of Narayanan et al. 2021, the "
                     "layers split evenly over the (virtual) stages; it fuses by default (its "
                     "arguments only offer opt-outs: --no-bias-gelu-fusion, --no-bias-dropout-fusion, "
@@ -229,7 +252,7 @@ _MEGATRON_FUSION = ("Megatron-LM keeps bf16 parameters beside fp32 masters (Floa
 PRESETS = {
     "axoplan": AXOPLAN,
     "megatron-core": Execution(
-        "megatron-core", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
         pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
@@ -238,7 +261,7 @@ PRESETS = {
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
                + _MEGATRON_FUSION),
     "megatron-lm": Execution(
-        "megatron-lm", elementwise_kernels="fused", sequence_parallel=True, weights="low-precision-copy",
+        "megatron-lm", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
         pipeline="interleaved", pipeline_even_split=True,
         grid_axes="yd", placement="yzx",
@@ -282,7 +305,8 @@ PRESETS = {
 
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
-           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE, "recompute": RECOMPUTE,
+           "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE,
+           "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
                   "first, or empty for any; pipeline: which schedules it runs")

@@ -276,12 +276,13 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
         if with_gather:
             comp["weight cast"] = casts[i]
         return _backward(lins[i].name, comp, [norm_b] if norms[i] else [], colls[i]["ar_bwd"],
-                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap, colls[i].get("ag_input"))
+                         [colls[i]["ag"]] if with_gather else [], colls[i]["rs"], overlap and ex.tp_backward_overlap,
+                         colls[i].get("ag_input"))
 
     lm_b = _backward("lm_head", {"gemm dgrad": gemm(head_gemms, "dgrad"), "gemm wgrad": gemm(head_gemms, "wgrad"),
                                  "element-wise": elem(elementwise.head_bwd)},
                      [norm_b], head_colls["ar_bwd"], [head_colls["ag"]] if ex.reshard_after_forward else [],
-                     head_colls["rs"], overlap)
+                     head_colls["rs"], overlap and ex.tp_backward_overlap)
     emb_b = Window("embedding", {"element-wise": elem(elementwise.emb_bwd)}, scatter=[emb_colls["rs"]],
                    moments=EMBEDDING_MOMENTS)
 
@@ -327,6 +328,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
     p2p_bytes = T / ex.sequence_split(gy) * model.hidden / gx * e
+    if ex.pipeline_p2p_split and not ex.sequence_parallel:
+        p2p_bytes = p2p_bytes / gy
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,

@@ -250,6 +250,9 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         per_shape = [stage(kind, n, idx) for kind, n in shapes]
         fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
         bwd_t = np.stack([b[0] for _, b in per_shape])[which]
+        if ex.pipeline_blocking_p2p:  # the sender busy for its transfer: activations forward, gradients back
+            fwd_t = fwd_t + (np.arange(V) < V - 1)[:, None] * sends[idx]
+            bwd_t = bwd_t + (np.arange(V) > 0)[:, None] * sends[idx]
         comp_s = np.stack([f[1] + b[1] for f, b in per_shape])[which]
         coll_s = np.stack([f[2] + b[2] for f, b in per_shape])[which]
         seconds = np.concatenate([fwd_t, bwd_t])
