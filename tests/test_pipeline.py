@@ -238,8 +238,8 @@ def test_ranking_walks_every_candidate_that_can_be_among_the_best():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), n_layers=st.integers(8, 40))
-def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers):
+@given(seed=st.integers(0, 2**16), n_layers=st.integers(8, 40), blocking=st.booleans())
+def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers, blocking):
     """stage_timing.bounds (all candidates at once) equals bound_time over each candidate's own stages."""
     from axoplan.planner.stage_timing import KINDS, bounds
 
@@ -255,7 +255,7 @@ def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers):
     full = {(k, p): [rng.uniform(0.05, 1.0, n) for _ in range(8)]
             for k in KINDS for p in ("forward", "backward", "backward_recompute")}
     after = {k: (rng.uniform(0, 0.5, n), rng.uniform(0, 0.5, n)) for k in KINDS}
-    got = bounds(full, after, ck, pp, vpp, m, send, n_layers)
+    got = bounds(full, after, ck, pp, vpp, m, send, n_layers, blocking)
     for i in range(n):
         p_, v_ = int(pp[i]), int(vpp[i])
         V = p_ * v_
@@ -270,6 +270,8 @@ def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers):
             return one + per_block * (blocks[v] - 1)
 
         sec = np.array([[stage(v, name, 0) for v in range(V)] for name in ("forward", "backward")])
+        if blocking:  # the sender busy for its transfer (Execution.pipeline_blocking_p2p)
+            sec += send[i] * np.array([np.arange(V) < V - 1, np.arange(V) > 0])
         work = (sec[0] + sec[1]).reshape(v_, p_).sum(axis=0)
         ends = bound_time(sec[0, :p_, None], sec[1, :p_, None], np.array([send[i]]), m[i] * work[:, None])[:, 0]
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]

@@ -291,7 +291,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
         rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
         m_raw = _timed_micro_batches(c.schedule, c.pp, sched.grad_acc)
-        for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L).items():
+        for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L, ex.pipeline_blocking_p2p).items():
             out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         todo = walk.first(out["batch"] + overhead)
         for round_ in range(2):
@@ -328,13 +328,14 @@ def _linear(full: dict, kind: str, ck: np.ndarray) -> tuple:
     return tuple(out)
 
 
-def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int) -> dict:
+def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blocking: bool = False) -> dict:
     """bound_time's batch (with each rank's gradient reduction and optimizer), critical rank, bubble, compute
     and collectives for every candidate at once, in closed form: its virtual stages of one kind differ only in
     their blocks, so a rank's path and work are linear in its rank r between the steps of its blocks (at b, the
     first rank without an extra block), and their maximum over the middle ranks lies at 1, b - 1, b or pp - 2
     (the first of equal ones at the left end of a piece).
-    full: (kind, pass) -> the parts of _stage_parts, flat; after: kind -> (gradient reduction, optimizer)."""
+    full: (kind, pass) -> the parts of _stage_parts, flat; after: kind -> (gradient reduction, optimizer);
+    blocking: each stage's sender busy for its transfer (Execution.pipeline_blocking_p2p), as the walk has it."""
     pp, vpp, m = (np.asarray(x) for x in (pp, vpp, m))
     mm = m.astype(np.float64)
     V = pp * vpp
@@ -342,6 +343,10 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int) -> dict
     b = rem % pp
     n0 = q + (rem > 0)  # blocks of virtual stage 0 (the last one never takes an extra)
     lin = {k: _linear(full, k, ck) for k in KINDS}
+    if blocking:  # a forward sends on unless its stage is the last, a backward back unless it is the first
+        for k, (f_on, b_on) in {"first": (1, 0), "middle": (1, 1), "last": (0, 1)}.items():
+            (fwd, *fr), (bwd, *br) = lin[k]
+            lin[k] = (((fwd[0] + f_on * send, fwd[1]), *fr), ((bwd[0] + b_on * send, bwd[1]), *br))
 
     def excess(kind, ps, what, n):  # the first (last) virtual stage over a middle one, both of n blocks
         (a, s_), (a_mid, s_mid) = lin[kind][ps][what], lin["middle"][ps][what]
