@@ -14,7 +14,10 @@ the optimizer step. At each moment the live bytes are split into kinds:
   flight (at most `max_inflight_rs`, each with its padded copy and its reduced shard);
 - activations: what autograd saved (per block, or only block inputs plus the recomputed block);
 - logits: the LM head's output, its one fp32 copy in the loss and the gradient handed back;
-- transients: activation gradients and the fp32 temporaries of the norms' backward.
+- transients: activation gradients and the fp32 temporaries of the norms' backward;
+- pipeline buffers: on a pipeline stage, the receive buffers its framework keeps for the activations and the
+  gradients that cross the stage boundaries (pipeline_buffers); what each forward in flight keeps beyond its
+  saved activations, its stage output (or on the last stage its logits), counts with those kinds.
 
 Everything is per candidate (numpy arrays). What PyTorch and the driver add beyond tensors stays
 the profile's headroom.
@@ -29,9 +32,10 @@ from axoplan.planner.execution import AXOPLAN, Execution, op_selective
 from axoplan.planner.specs import ModelSpec
 from axoplan.planner.comm import FP32, padded_block, shard_elems
 
-KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients")
+KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients", "buffers")
 KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
-              "activations": "activations", "logits": "logits", "transients": "transients"}
+              "activations": "activations", "logits": "logits", "transients": "transients",
+              "buffers": "pipeline buffers"}
 # fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward
 NORM_BWD_FP32_COPIES = 6
 
@@ -50,6 +54,7 @@ class Memory:
     activations: np.ndarray | None = None
     logits: np.ndarray | None = None
     transients: np.ndarray | None = None
+    buffers: np.ndarray | None = None
 
     def where(self, i: int) -> str:
         return self.moments[int(np.asarray(self.moment).reshape(-1)[i])]
@@ -63,11 +68,55 @@ class Memory:
 @dataclass
 class _Layer:
     """One linear (or the embedding) per candidate: bytes of its gathered block, of the gradient
-    block its backward makes, of what stays in flight until its reduce-scatter completes."""
+    block its backward makes, of what stays in flight until its reduce-scatter completes; of the reduced
+    shard (part of dw, allocated once the oldest reduce-scatter in flight has made room) and of the fp32 copy
+    of it made when it is added to the fp32 gradient (parallel_linear._accumulate: none where it is fp32)."""
 
     gathered: np.ndarray
     dw: np.ndarray
     inflight: np.ndarray
+    shard_out: np.ndarray | float = 0.0
+    accumulate: np.ndarray | float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineBuffers:
+    """What one pipeline rank's framework holds for its stage boundaries, in counts per candidate: receive
+    buffers of one boundary activation (or its gradient) each, how many of them are the inputs its forwards
+    in flight saved (counted with the buffers, not the activations), the stage outputs and the logits its
+    forwards in flight keep until their backward ends."""
+
+    recv: np.ndarray | float = 0.0
+    received_inputs: np.ndarray | float = 0.0
+    outputs: np.ndarray | float = 0.0
+    logits: np.ndarray | float = 0.0
+
+
+NO_PIPELINE_BUFFERS = PipelineBuffers()
+
+
+def pipeline_buffers(execution: Execution, pp: int, vpp: int, rank: int, m, flight) -> PipelineBuffers:
+    """The buffers of pipeline rank `rank` (its virtual stages rank + k pp) with m micro-batches per step and
+    `flight` the forwards of each virtual stage in flight at its peak (pipeline.peak_in_flight).
+
+    per-micro-batch (torch.distributed.pipelining, torch 2.13 stage.py): when the schedule first runs,
+    _setup_forward_recv_info gives every non-first virtual stage one activation receive buffer per micro-batch
+    (the received activation is that buffer: the stage's input, saved by its first block) and
+    _setup_backward_recv_info every non-last one a gradient receive buffer per micro-batch, all kept for the
+    run; fwd_cache keeps each forward's output (the last stage's: its logits) until that micro-batch's backward
+    has returned. per-transfer: nothing beyond the saved inputs (a receive allocated per transfer is the stage
+    input; Megatron's deallocate_output_tensor frees the output once sent)."""
+    if execution.pipeline_buffers != "per-micro-batch":
+        return NO_PIPELINE_BUFFERS
+    V = pp * vpp
+    own = range(rank, V, pp)
+    flight = np.asarray(flight, dtype=np.float64)
+    m = np.asarray(m, dtype=np.float64)
+    n_act = sum(v != 0 for v in own)
+    n_grad = sum(v != V - 1 for v in own)
+    return PipelineBuffers(recv=(n_act + n_grad) * m, received_inputs=sum(flight[v] for v in own if v != 0),
+                           outputs=sum(flight[v] for v in own if v != V - 1),
+                           logits=flight[V - 1] if V - 1 in own else 0.0)
 
 
 def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False, reduce_bytes: int | None = None
@@ -87,7 +136,8 @@ def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False,
                   numel * gb + (numel * FP32 if gb != FP32 else 0.0))
     # in flight: the full-size block (or its padded, cast copy) and the reduced shard
     inflight = np.where(sharded, padded * r + shard * r, 0.0)
-    return _Layer(gathered, dw, inflight)
+    return _Layer(gathered, dw, inflight, np.where(sharded, shard * r, 0.0),
+                  np.where(sharded & (r != FP32), shard * FP32, 0.0))
 
 
 def memory(*args, breakdown: bool = False, **kw) -> Memory:
@@ -112,7 +162,9 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
                  passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None,
-                 n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True) -> dict:
+                 n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True,
+                 buffers: PipelineBuffers = NO_PIPELINE_BUFFERS, others_blocks=0.0, received_gradient: bool = False
+                 ) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
@@ -125,7 +177,10 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     context unless given) and its attention-core recompute. A pipeline stage (pipeline.py) holds n_blocks blocks
     (default all), the embedding and the LM head only where it says so, and when its backward starts the
     activations of live_blocks blocks are saved (its micro-batches in flight; default n_blocks); its passes
-    are the stage's (Pass.stage)."""
+    are the stage's (Pass.stage). buffers: what its framework holds for the stage boundaries (pipeline_buffers);
+    others_blocks: the blocks of its other micro-batches in flight, still saved when its blocks' backward is
+    done (the embedding's); received_gradient: the gradient entering its last block is a receive buffer (no
+    residual-stream gradient of its own until the MLP branch's is added)."""
     e = dtype_bytes
     fused = execution.elementwise_kernels == "fused"
     fused_loss = execution.loss_kernel == "fused"
@@ -189,12 +244,18 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
         return sum(layer.inflight for layer in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
 
+    # the stage boundaries' receive buffers (the inputs of the forwards in flight among them), the outputs and
+    # logits the forwards in flight keep (the logits of the one in backward: the loss's own saved logits)
+    bufs = buffers.recv * x_in
+    held = buffers.outputs * x_in - buffers.received_inputs * x_in
+    held_logits = buffers.logits * T * vl * e
     moments = {}
     only = [1.0]  # 0 where a stage has no such moment (the block before the last on a one-block stage)
 
-    def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0):
+    def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0, in_step=True):
         kinds = {"states": states, "gathered": gathered, "gradients": gradients,
-                 "activations": activations, "logits": logits, "transients": transients}
+                 "activations": activations + held * in_step, "logits": logits + held_logits * in_step,
+                 "transients": transients, "buffers": bufs}
         moments[name] = kinds if isinstance(only[0], float) else {k: v * only[0] for k, v in kinds.items()}
 
     # every block's input (or all it saved) and the final norm's
@@ -223,7 +284,10 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # the saved logits and their one fp32 copy; backward also the gradient handed back (the copy itself
         # when the logits are fp32)
         loss_f, loss_b = T * vl * (e + FP32), T * vl * (e + FP32 + (e if e != FP32 else 0))
-    logits = {"": 0.0, "loss forward": loss_f, "loss backward": loss_b, "logits gradient": T * vl * e}
+    # on a pipeline's last stage the logits the loss saves are the ones its forward keeps (counted held)
+    own_logits = (np.asarray(buffers.logits) > 0) * T * vl * e
+    logits = {"": 0.0, "loss forward": loss_f - own_logits, "loss backward": loss_b - own_logits,
+              "logits gradient": T * vl * e}
     order = []  # reduce-scatters issued so far, oldest first
 
     def walk(windows, label, activations, then, live, block: bool, cached=None):
@@ -244,8 +308,21 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                     gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre, gathered)
                 if cached is not None:
                     gathered = cached
-                moment(label + mo.name, gathered, inflight(order) + (own.dw if own is not None else 0.0),
-                       activations(live), logits[mo.logits], transients[mo.transient] + (dres if block else 0.0))
+                gradients = inflight(order)
+                if own is not None:
+                    gradients = gradients + own.dw
+                    if max_inflight_rs == 0:  # reduced at once, then added to the fp32 gradient
+                        gradients = gradients + own.accumulate
+                    elif len(order) >= max_inflight_rs:
+                        # room first: the oldest in flight is added to its fp32 gradient (a cast copy of its
+                        # shard) while still held, before this one's reduced shard exists
+                        oldest = order[-max_inflight_rs]
+                        gradients = np.maximum(gradients, gradients - own.shard_out + oldest.accumulate)
+                own_dres = dres if block else 0.0
+                if block and received_gradient and label == "backward last block " and mo.transient in ("fc2", "fc1"):
+                    own_dres = 0.0  # the MLP branch's backward reads the received gradient itself
+                moment(label + mo.name, gathered, gradients, activations(live), logits[mo.logits],
+                       transients[mo.transient] + own_dres)
                 for k in mo.frees:
                     live.pop(k)
                 if mo.gemm:
@@ -279,7 +356,9 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
 
     only[0] = 1.0
     # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
-    walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False, cache(0))
-    moment("optimizer step", 0.0, 0.0, 0.0)
+    # the other micro-batches in flight keep their blocks' saved activations through it
+    others = np.asarray(others_blocks, dtype=np.float64) * one_block
+    walk(backward.suffix, "", lambda live: others, 0.0, {}, False, cache(0))
+    moment("optimizer step", 0.0, 0.0, 0.0, in_step=False)
 
     return moments
