@@ -218,6 +218,7 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     blocks = stage_timing.rank_blocks(L, pp, vpp, rank)
     live = np.empty(len(first), dtype=np.float64)
     others = np.zeros(len(first))
+    chunk = blocks.astype(np.float64)
     bufs = {f: np.zeros(len(first)) for f in ("recv", "received_inputs", "outputs", "logits")}
     # the peak's forwards in flight stop growing after the warm-up: one walk of the order per structure
     m = np.where(sc == 0, pipeline.peak_micro_batches("1f1b", pp, steps),
@@ -234,6 +235,7 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
         flight = np.asarray(pipeline.peak_in_flight(pipeline.SCHEDULES[s_], p_, v_, m_)[k])
         live[sel] = float(flight @ n_v)
         others[sel] = live[sel] - n_v[k]  # all but the blocks of its first virtual stage's micro-batch in backward
+        chunk[sel] = n_v[k + (v_ - 1) * p_]  # its first backward is of its last virtual stage
         b = pipeline_buffers(execution, p_, v_, k, steps_, flight)
         for f in bufs:
             bufs[f][sel] = getattr(b, f)
@@ -248,4 +250,4 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     passes = (sched.forward.stage(not last, last), sched.backward.stage(not last, last))
     return ({"n_blocks": blocks, "live_blocks": np.maximum(live, blocks * 0 + 1), "embedding": not last,
              "head": last, "passes": passes, "buffers": PipelineBuffers(**bufs), "others_blocks": others,
-             "received_gradient": not last}, shard.astype(np.float64), replicated)
+             "received_gradient": not last, "chunk_blocks": chunk}, shard.astype(np.float64), replicated)

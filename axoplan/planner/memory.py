@@ -36,8 +36,9 @@ KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients
 KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
               "activations": "activations", "logits": "logits", "transients": "transients",
               "buffers": "pipeline buffers"}
-# fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward
-NORM_BWD_FP32_COPIES = 6
+# fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward (runtime/norm.py:
+# x-hat, dy, g and two temporaries of dx's expression; LayerNorm's mean term one more)
+NORM_BWD_FP32_COPIES = {"layernorm": 6, "rmsnorm": 5}
 
 
 @dataclass
@@ -163,8 +164,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
                  passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None,
                  n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True,
-                 buffers: PipelineBuffers = NO_PIPELINE_BUFFERS, others_blocks=0.0, received_gradient: bool = False
-                 ) -> dict:
+                 buffers: PipelineBuffers = NO_PIPELINE_BUFFERS, others_blocks=0.0, received_gradient: bool = False,
+                 chunk_blocks=None) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
@@ -180,7 +181,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     are the stage's (Pass.stage). buffers: what its framework holds for the stage boundaries (pipeline_buffers);
     others_blocks: the blocks of its other micro-batches in flight, still saved when its blocks' backward is
     done (the embedding's); received_gradient: the gradient entering its last block is a receive buffer (no
-    residual-stream gradient of its own until the MLP branch's is added)."""
+    residual-stream gradient of its own until the MLP branch's is added); chunk_blocks: the blocks of the
+    (virtual) stage whose backward is walked, after which nothing is prefetched (default n_blocks)."""
     e = dtype_bytes
     fused = execution.elementwise_kernels == "fused"
     fused_loss = execution.loss_kernel == "fused"
@@ -266,7 +268,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     layers["embedding"] = _Layer(0.0, emb.dw, emb.inflight)  # its backward needs no weight
     kept = [layers[w.name].gathered for w in forward.block]  # in the order the recompute gathers them
     dres = Ts * hx * e  # the residual stream's gradient, live through the blocks
-    norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
+    norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES[model.norm] * FP32))
     qkv_l = qh + 2 * kvh
     attention = qkv_l * e * 2  # attention's backward: q, k, v's gradients
     if unfused:
@@ -290,12 +292,13 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
               "logits gradient": T * vl * e}
     order = []  # reduce-scatters issued so far, oldest first
 
-    def walk(windows, label, activations, then, live, block: bool, cached=None):
+    def walk(windows, label, activations, then, live, block: bool, cached=None, next_block=1.0):
         """The moments of these windows in order. Without checkpointing a window holds its own weight at its
         GEMM and prefetches the next gather to come: its own before its GEMM, else the next window's (after
         the last window, `then`); in a block under checkpointing, the recomputed weights still kept and the
         next block's first. `live`: the activations still saved, freed as the moments say. `cached`: the
-        weights an execution that does not reshard after the forward still holds gathered (all of them)."""
+        weights an execution that does not reshard after the forward still holds gathered (all of them).
+        next_block: 0 where no block of the same backward follows (nothing to prefetch into its recompute)."""
         for i, w in enumerate(windows):
             layer = layers[w.name]
             following = layers[windows[i + 1].name].gathered if i + 1 < len(windows) else then
@@ -305,7 +308,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                 nxt = layer.gathered if before_gemm and not mo.gemm else following
                 gathered = (own.gathered if own is not None else 0.0) + nxt * pre
                 if block:
-                    gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre, gathered)
+                    gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre * next_block, gathered)
                 if cached is not None:
                     gathered = cached
                 gradients = inflight(order)
@@ -319,8 +322,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                         oldest = order[-max_inflight_rs]
                         gradients = np.maximum(gradients, gradients - own.shard_out + oldest.accumulate)
                 own_dres = dres if block else 0.0
-                if block and received_gradient and label == "backward last block " and mo.transient in ("fc2", "fc1"):
-                    own_dres = 0.0  # the MLP branch's backward reads the received gradient itself
+                if block and received_gradient and label == "backward last block " and mo.name in ("fc2", "fc1", "norm2"):
+                    own_dres = 0.0  # until the MLP branch's gradient joins it, the residual's is the received one
                 moment(label + mo.name, gathered, gradients, activations(live), logits[mo.logits],
                        transients[mo.transient] + own_dres)
                 for k in mo.frees:
@@ -348,11 +351,15 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the recompute's block output, held until its backward ends (none when only the core is recomputed)
     recomputed_out = np.where(ck, x_in, 0.0) * (not attention_core)
     one_block = np.where(ck, x_in + selected, x_in + block_saved)
+    # a block of the chunk in backward follows these two (its weights prefetched), else the embedding or nothing
+    chunk = np.asarray(L if chunk_blocks is None else chunk_blocks, dtype=np.float64)
+    following = [(chunk > 1).astype(np.float64), (chunk > 2).astype(np.float64)]
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(int(np.max(L)), 2)]:
         only[0] = 1.0 if blk == 0 or np.min(L) >= 2 else (np.asarray(L) >= 2).astype(np.float64)
         walk(backward.block, f"backward {label} ",
              lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,
-             layers[backward.block[0].name].gathered, dict(saved), True, cache(L - blk))
+             layers[backward.block[0].name].gathered * following[blk], dict(saved), True, cache(L - blk),
+             following[blk])
 
     only[0] = 1.0
     # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
