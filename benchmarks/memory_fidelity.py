@@ -102,7 +102,7 @@ def pipeline_runs(cases: str, pps: list[int], machine: str) -> list[dict]:
                     same = all(c["predicted_calls"] == c["traced_calls"] and c["predicted_bytes"] == c["traced_bytes"]
                                for c in st["collectives"]) and all(st["order"].values())
                     errs.append(abs(err))
-                    buf = st["memory_by_kind"]["pipeline buffers"]
+                    buf = st["memory_by_kind"].get("pipeline buffers", {"predicted": 0.0, "traced": 0.0})
                     rows.append({"model": model, "gpus": gpus, "grid": g, "pp": pp, "stage": st["stage"],
                                  "predicted_gib": st["predicted_memory_gib"], "traced_gib": st["traced_memory_gib"],
                                  "error": err, "collectives_equal": same, "memory_by_kind": st["memory_by_kind"],
