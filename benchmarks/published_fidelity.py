@@ -77,6 +77,12 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
     source="Megatron-DeepSpeed as BLOOM ran it (bigscience train/tr11-176B-ml/tr11-176B-ml.slurm: bf16 with "
            "DeepSpeed's own ZeRO-1 equivalent, --checkpoint-activations, default dropout, fused softmax, no SP, "
            "DeepSpeed pipeline engine)")
+# from 02-28 the search ran DeepSpeed's BF16_Optimizer ("BF16 optimizer w/ fp32 grad accumulation" in the rows'
+# notes): each backward's bf16 gradients kept beside the fp32 accumulation until the next backward starts
+MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
+    MEGATRON_DEEPSPEED, name="megatron-deepspeed-bf16-optimizer", low_precision_grads_kept=True,
+    source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py: "
+           "update_hp_grads(clear_lp_grads=False) after each backward, clear_lp_grads() before the next)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -259,7 +265,8 @@ def bloom():
         runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
                         (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
-                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [], MEGATRON_DEEPSPEED,
+                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [],
+                        MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
                         pp=int(r["pp"]), oom=oom))
     return runs, out
 

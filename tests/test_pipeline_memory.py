@@ -135,3 +135,17 @@ def test_traced_pipeline_buffers_and_peak_equal_predicted(grid, pp, batch):
         buf = st["memory_by_kind"]["pipeline buffers"]
         assert buf["traced"] > 0 and buf["predicted"] == pytest.approx(buf["traced"], rel=1e-9), st["stage"]
         assert st["predicted_memory_gib"] == pytest.approx(st["traced_memory_gib"], rel=0.02), (st["stage"], m)
+
+
+def test_kept_low_precision_gradients_peak_in_the_next_forward_by_hand():
+    """DeepSpeed's BF16_Optimizer keeps a backward's bf16 gradients until the next backward starts: the next
+    forward, every block's saved activations live (the last block's forward done), holds them too: 2 bytes per
+    shard and replicated element (1000 + 200 here). Without the field there is no such moment."""
+    kept = dataclasses.replace(AXOPLAN, low_precision_grads_kept=True)
+    base, m = _moments(), _moments(execution=kept)
+    assert "forward after a backward" not in base
+    mo = m["forward after a backward"]
+    assert float(mo["gradients"]) == pytest.approx((1000 + 200) * 2)
+    one_block = base["backward last block fc2"]["activations"] - base["backward block before it fc2"]["activations"]
+    assert float(mo["activations"]) == pytest.approx(2 * one_block)  # both blocks of the one micro-batch
+    assert all(np.array_equal(np.asarray(base[k]["gradients"]), np.asarray(m[k]["gradients"])) for k in base)

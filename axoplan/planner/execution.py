@@ -102,6 +102,10 @@ class Execution:
     # and each forward's output kept until its backward; per-transfer: each receive allocated as it arrives (the
     # stage's input), each output freed once sent (Megatron's p2p_communication and deallocate_output_tensor)
     pipeline_buffers: str = "per-micro-batch"
+    # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
+    # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
+    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py)
+    low_precision_grads_kept: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
     # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the

@@ -240,6 +240,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         selected = T * ((sel.kept_split / gy + qh) * e + heads * FP32) + Ts * sel.kept_full * e
     # all blocks but the last, as the backward finds them when it reaches the last block
     earlier = np.where(ck, (live - 1) * (x_in + selected), (live - 1) * (x_in + block_saved))
+    one_block = np.where(ck, x_in + selected, x_in + block_saved)  # what one block keeps for its backward
     final = Ts * (2 * hx * e + FP32 * 2) * head  # the final norm's input and output (the LM head's input)
 
     def inflight(layers):
@@ -344,13 +345,18 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         return (None if execution.reshard_after_forward else
                 blocks * per_block + embedding * emb.gathered + head * has_head * lm.gathered)
 
+    if execution.low_precision_grads_kept:
+        # a forward after a backward (the next micro-batch's; a pipeline's steady state, every forward in flight
+        # saved) while that backward's compute-dtype gradients are still kept: the end of its last block's forward
+        lp_grads = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) * e
+        moment("forward after a backward", kept[-1] + kept[0] * pre, lp_grads, live * one_block,
+               transients=np.where(ck, T * (f1 * e + act_out), 0.0))
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
          {"head input": Ts * hx * e}, False, cache(L, True))
 
     # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
     # the recompute's block output, held until its backward ends (none when only the core is recomputed)
     recomputed_out = np.where(ck, x_in, 0.0) * (not attention_core)
-    one_block = np.where(ck, x_in + selected, x_in + block_saved)
     # a block of the chunk in backward follows these two (its weights prefetched), else the embedding or nothing
     chunk = np.asarray(L if chunk_blocks is None else chunk_blocks, dtype=np.float64)
     following = [(chunk > 1).astype(np.float64), (chunk > 2).astype(np.float64)]
