@@ -149,3 +149,27 @@ def test_kept_low_precision_gradients_peak_in_the_next_forward_by_hand():
     one_block = base["backward last block fc2"]["activations"] - base["backward block before it fc2"]["activations"]
     assert float(mo["activations"]) == pytest.approx(2 * one_block)  # both blocks of the one micro-batch
     assert all(np.array_equal(np.asarray(base[k]["gradients"]), np.asarray(m[k]["gradients"])) for k in base)
+
+
+def test_the_swiglu_backward_holds_three_ffn_gradients_by_hand():
+    """SwiGLU's product silu(gate) * up, backward: fc2's input is freed, silu(gate) stays saved beside fc1's
+    output, and fc2's dI with the two gradients it makes are live ([T, ffn] each); GELU has no such moment."""
+    T, e, H = 128.0, 2, 64
+    mo = _swiglu_moments()
+    ffn = tiny_model(mlp="swiglu").ffn
+    sw, fc2 = mo["backward last block swiglu"], mo["backward last block fc2"]
+    assert sw["transients"] == pytest.approx(3 * T * ffn * e + T * H * e)  # and the residual's gradient
+    # fc2's moment holds the activation's two outputs (silu(gate) and the product); one of them is left
+    assert sw["activations"] - fc2["activations"] == pytest.approx(-T * ffn * e)
+    assert "backward last block swiglu" not in _moments()
+
+
+def _swiglu_moments():
+    m = tiny_model(mlp="swiglu")
+    T, e = 128.0, 2
+    blocks = [64 * 192, 64 * 64, 64 * 2 * m.ffn, m.ffn * 64]
+    prof = load_profile("dgx-h100")
+    c = Candidates(*(np.array([v]) for v in (1, 1, 1, 1, 0, 1)), np.array([False]))
+    sched = schedule.build(m, prof, Job(1, 1, m.seq_len), c, c.checkpointing, True, True, comm.place(prof, c))
+    return step_moments(m, 1, 1, 1, T, False, 1000.0, 200.0, blocks, 64 * 256, 256 * 64, e, True, 2,
+                        (sched.forward, sched.backward))

@@ -332,6 +332,12 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                 if mo.gemm:
                     order.append(layer)
                     before_gemm = False
+                if block and mo.name == "fc2" and model.mlp == "swiglu":
+                    # the product silu(gate) * up backward: fc2's input freed, silu(gate) still saved beside fc1's
+                    # output; fc2's dI and the two gradients it makes, [T, ffn] each
+                    moment(label + "swiglu", cached if cached is not None else
+                           np.where(ck, sum(kept[:mo.kept - 1]) + kept[0] * pre * next_block, following * pre),
+                           inflight(order), activations(live) + T * ffn * e, 0.0, 3 * T * ffn * e + own_dres)
 
     # the loss, the LM head's and the final norm's backward: the stack of activations until the LM head's
     # input is freed; the next gather is the last block's first: the recompute's (qkv) or the backward's (fc2)
