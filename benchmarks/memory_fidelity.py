@@ -7,7 +7,14 @@ Llama-3 8B on 64: predicted / traced peak, and whether every collective agrees i
 `--real` adds gloo runs of gpt-small on 1, 2, 4 and 8 ranks: the trainer's tracked peak of live
 tensor bytes (not RSS) against the model.
 
+`--pipeline` runs pipelined grids instead (dryrun.compare_pipeline): GPT-20B on 32 and Llama-3 70B on 64
+perlmutter GPUs with pp 2, 4 and 8 (1F1B, micro-batch 1, checkpointing on, order xyz), each pipeline rank
+that can hold the peak (the first and the last) traced as its stage's first rank. Per pp the grids are the
+planner's fastest and the ones splitting each axis the most (gx, gy, gz, gdata), so that states, gathered
+weights, activations and the pipeline's buffers each lead somewhere.
+
     python benchmarks/memory_fidelity.py [--cases gpt-20b:32:32,...] [--real] [--json out.json]
+    python benchmarks/memory_fidelity.py --pipeline [--pipeline-cases gpt-20b:32:64,...] [--pp 2,4,8]
 """
 from __future__ import annotations
 
@@ -40,6 +47,76 @@ def grids(model: str, gpus: int, batch: int) -> list[tuple[int, int, int, int]]:
         if ok and c.micro_batch[i] * c.gz[i] * c.gdata[i] == batch and ORDERS[c.order[i]] == "xyz":
             out.add((int(c.gx[i]), int(c.gy[i]), int(c.gz[i]), int(c.gdata[i])))
     return sorted(out)
+
+
+PIPELINE_CASES = "gpt-20b:32:64,llama3-70b:64:64"
+
+
+def pipeline_grids(model: str, gpus: int, batch: int, pp: int, machine: str = "perlmutter"
+                   ) -> list[tuple[int, int, int, int]]:
+    """Of the grids of gpus / pp the planner can run with this pipeline (1F1B, micro-batch 1, checkpointing
+    on, order xyz; out of memory included): the fastest feasible one and, for each axis, the one splitting
+    it the most (ties: the fastest)."""
+    from axoplan.planner.batch import evaluate
+    from axoplan.planner.execution import trainer_execution
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.pipeline import SCHEDULES
+    from axoplan.planner.specs import Job, load_model
+
+    m = load_model(model)
+    c = enumerate_space(gpus, batch, "xyz", 1, "on", pipelines=((pp, 1, SCHEDULES.index("1f1b")),))
+    ev = evaluate(m, load_profile(machine), Job(gpus, batch, m.seq_len), c, execution=trainer_execution())
+    mem_code = len(ev.reasons) - 1
+    ok = [i for i in range(len(c)) if (ev.reason_code[i] < 0 or ev.reason_code[i] == mem_code)
+          and ORDERS[c.order[i]] == "xyz" and c.pp[i] == pp]
+    if not ok:
+        return []
+    grid = {i: (int(c.gx[i]), int(c.gy[i]), int(c.gz[i]), int(c.gdata[i])) for i in ok}
+    by_time = sorted(ok, key=lambda i: float(ev.batch_time[i]))
+    feasible = [i for i in by_time if ev.reason_code[i] < 0]
+    out = [grid[feasible[0]]] if feasible else []
+    for axis in range(4):
+        out.append(grid[max(by_time, key=lambda i: (grid[i][axis], -by_time.index(i)))])
+    return list(dict.fromkeys(out))
+
+
+def pipeline_runs(cases: str, pps: list[int], machine: str) -> list[dict]:
+    """Predicted against traced peak per pipeline stage (first and last rank) of every pipelined grid."""
+    from axoplan.runtime.dryrun import compare_pipeline
+
+    rows = []
+    for case in filter(None, cases.split(",")):
+        model, gpus, batch = case.split(":")
+        gpus, batch = int(gpus), int(batch)
+        t0 = time.perf_counter()
+        errs = []
+        print(f"\n{model} on {gpus} x {machine}, global batch {batch}, 1F1B, micro-batch 1, checkpointing on, order xyz")
+        print(f"{'pp':>3} {'grid':>10} {'stage':>5} {'predicted GiB':>13} {'traced GiB':>10} {'error':>7} {'colls':>6} "
+              f"{'buffers':>8}  peak (predicted | traced)")
+        for pp in pps:
+            for g in pipeline_grids(model, gpus, batch, pp, machine):
+                r = compare_pipeline(model, machine, gpus, batch, g, pp, micro_batch=1, checkpointing=True,
+                                     schedule="1f1b")
+                for st in r["stages"]:
+                    err = st["predicted_memory_gib"] / st["traced_memory_gib"] - 1
+                    same = all(c["predicted_calls"] == c["traced_calls"] and c["predicted_bytes"] == c["traced_bytes"]
+                               for c in st["collectives"]) and all(st["order"].values())
+                    errs.append(abs(err))
+                    buf = st["memory_by_kind"].get("pipeline buffers", {"predicted": 0.0, "traced": 0.0})
+                    rows.append({"model": model, "gpus": gpus, "grid": g, "pp": pp, "stage": st["stage"],
+                                 "predicted_gib": st["predicted_memory_gib"], "traced_gib": st["traced_memory_gib"],
+                                 "error": err, "collectives_equal": same, "memory_by_kind": st["memory_by_kind"],
+                                 "predicted_at": st["predicted_peak_at"], "traced_at": st["traced_peak_at"],
+                                 "config": r["config"]})
+                    print(f"{pp:>3} {'x'.join(map(str, g)):>10} {st['stage']:>5} {st['predicted_memory_gib']:13.2f} "
+                          f"{st['traced_memory_gib']:10.2f} {100 * err:+6.1f}% {'equal' if same else 'DIFFER':>6} "
+                          f"{buf['predicted']:4.2f}|{buf['traced']:4.2f}  {st['predicted_peak_at']} | {st['traced_peak_at']}")
+                    sys.stdout.flush()
+        mine = [r for r in rows if r["model"] == model]
+        print(f"{model}: {len(errs)} stages of {len(errs) // 2} pipelined grids, |error| mean "
+              f"{100 * statistics.mean(errs):.2f}%, max {100 * max(errs):.2f}%, collectives and order equal in "
+              f"{sum(r['collectives_equal'] for r in mine)}/{len(mine)} ({time.perf_counter() - t0:.0f} s)")
+    return rows
 
 
 REAL_CASES = [  # (gx, gy, gz, gdata), checkpointing: gpt-small, global batch 16, two micro-batches where possible
@@ -130,8 +207,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--real", action="store_true", help="also gloo runs of gpt-small on 1, 2, 4 and 8 ranks")
     ap.add_argument("--only-real", action="store_true", help="only the gloo runs")
+    ap.add_argument("--pipeline", action="store_true", help="pipelined grids (pp 2, 4, 8) instead, per stage")
+    ap.add_argument("--pipeline-cases", default=PIPELINE_CASES, help="model:gpus:batch,... for --pipeline")
+    ap.add_argument("--pp", default="2,4,8", help="pipeline degrees for --pipeline")
     args = ap.parse_args(argv)
     rows = []
+    if args.pipeline:
+        print("predicted (planner, bundled trainer's execution) vs traced (dryrun: fake tensors, fake process group) "
+              "peak per pipeline stage; buffers: the pipeline's receive buffers, predicted|traced GiB")
+        rows = pipeline_runs(args.pipeline_cases, [int(p) for p in args.pp.split(",")], args.machine)
+        errs = [abs(r["error"]) for r in rows]
+        print(f"\nall: {len(errs)} stages, |error| mean {100 * statistics.mean(errs):.2f}%, max {100 * max(errs):.2f}%, "
+              f"within 2%: {sum(e <= 0.02 for e in errs)}/{len(errs)}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1, default=list)
+        return 0
     if args.real or args.only_real:
         print("gpt-small, real gloo runs (fp32, localhost-cpu model), global batch 16: predicted vs traced peak")
         real = real_runs()

@@ -89,10 +89,14 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
 # over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
 # over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
 MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
-    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True, gradient_accumulation="fp32",
+    MEGATRON_DEEPSPEED, name="megatron-deepspeed-bf16-optimizer", sharded_gradient_all_reduce=True,
+    gradient_accumulation="fp32", low_precision_grads_kept=True,
     source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added "
                                        "into its fp32 ones (pipe/engine.py _exec_backward_pass: update_hp_grads), "
-                                       "fp32 gradients all-reduced over D (_bf16_reduce_grads), the partitioned step")
+                                       "fp32 gradients all-reduced over D (_bf16_reduce_grads), the partitioned step; each backward's "
+                                       "bf16 gradients kept beside the fp32 ones until the next backward starts "
+                                       "(bf16_optimizer.py: update_hp_grads(clear_lp_grads=False), clear_lp_grads() "
+                                       "before the next)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")

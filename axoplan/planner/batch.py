@@ -12,7 +12,7 @@ from axoplan.planner import comm, pipeline, schedule, stage_timing, timing
 from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
-from axoplan.planner.memory import Memory, memory
+from axoplan.planner.memory import Memory, PipelineBuffers, memory, pipeline_buffers
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.space import CANDIDATE_FIELDS, Candidates, divisibility_masks, micro_batches
 from axoplan.planner.specs import Job, ModelSpec
@@ -146,7 +146,7 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
         the whole model without a pipeline."""
         kw, sh, rep = {}, shard, replicated
         if piped:
-            kw, sh, rep = _stage_memory_args(model, sched, c, job, first, rank_kind, S)
+            kw, sh, rep = _stage_memory_args(model, sched, c, job, first, rank_kind, S, execution)
         return memory(model, pick(gx), pick(gy), pick(gz), pick(T), ck if np.ndim(ck) > 1 else pick(ck),
                       pick(sh.astype(np.float64)) if not piped else sh, pick(rep) if not piped else rep,
                       [pick(b) for b in sched.params.blocks],
@@ -250,30 +250,41 @@ def _excluded(model: ModelSpec, job: Job, c: Candidates, code: np.ndarray, execu
 
 
 def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: np.ndarray, rank_kind: str,
-                       seq_len: int):
+                       seq_len: int, execution: Execution = AXOPLAN):
     """memory()'s stage arguments for the distinct rows `first`: the rank's blocks, the blocks whose activations
-    are saved when its backward starts (its forwards in flight, pipeline.peak_in_flight), its embedding or LM
-    head, its passes and its states (shard and replicated elements)."""
+    are saved when its backward starts (its forwards in flight, pipeline.peak_in_flight), the blocks of its other
+    micro-batches still saved when its first virtual stage's backward ends, its stage boundaries' buffers
+    (memory.pipeline_buffers), its embedding or LM head, its passes and its states (shard and replicated
+    elements)."""
     pp, vpp, sc = c.pp[first], c.vpp[first], c.schedule[first]
-    m = np.broadcast_to(sched.grad_acc, np.shape(c.gx))[first]
+    steps = np.broadcast_to(sched.grad_acc, np.shape(c.gx))[first]
     L = model.n_layers
     last = rank_kind == "last"
     rank = pp - 1 if last else np.zeros_like(pp)
     blocks = stage_timing.rank_blocks(L, pp, vpp, rank)
     live = np.empty(len(first), dtype=np.float64)
+    others = np.zeros(len(first))
+    chunk = blocks.astype(np.float64)
+    bufs = {f: np.zeros(len(first)) for f in ("recv", "received_inputs", "outputs", "logits")}
     # the peak's forwards in flight stop growing after the warm-up: one walk of the order per structure
-    m = np.where(sc == 0, pipeline.peak_micro_batches("1f1b", pp, m),
-                 pipeline.peak_micro_batches("interleaved-1f1b", pp, m))
-    at, inv = distinct_rows(pp, vpp, sc, m)
-    for j, (p_, v_, s_, m_) in enumerate(np.stack([pp, vpp, sc, m], axis=1)[at].tolist()):
+    m = np.where(sc == 0, pipeline.peak_micro_batches("1f1b", pp, steps),
+                 pipeline.peak_micro_batches("interleaved-1f1b", pp, steps))
+    at, inv = distinct_rows(pp, vpp, sc, m, steps)
+    for j, (p_, v_, s_, m_, steps_) in enumerate(np.stack([pp, vpp, sc, m, steps], axis=1)[at].tolist()):
         sel = inv == j
         q, r = divmod(L, p_ * v_)
         n_v = q + (np.arange(p_ * v_) < r)
         if p_ * v_ > L or m_ < 1:
             live[sel] = blocks[sel]
             continue
-        flight = pipeline.peak_in_flight(pipeline.SCHEDULES[s_], p_, v_, m_)
-        live[sel] = float(np.asarray(flight[p_ - 1 if last else 0]) @ n_v)
+        k = p_ - 1 if last else 0
+        flight = np.asarray(pipeline.peak_in_flight(pipeline.SCHEDULES[s_], p_, v_, m_)[k])
+        live[sel] = float(flight @ n_v)
+        others[sel] = live[sel] - n_v[k]  # all but the blocks of its first virtual stage's micro-batch in backward
+        chunk[sel] = n_v[k + (v_ - 1) * p_]  # its first backward is of its last virtual stage
+        b = pipeline_buffers(execution, p_, v_, k, steps_, flight)
+        for f in bufs:
+            bufs[f][sel] = getattr(b, f)
     ps = sched.params
 
     def pick(x):
@@ -284,4 +295,5 @@ def _stage_memory_args(model: ModelSpec, sched, c: Candidates, job: Job, first: 
     shard, replicated = stage_timing.rank_states(rows, model, c.gx[first], blocks, not last, last, seq_len)
     passes = (sched.forward.stage(not last, last), sched.backward.stage(not last, last))
     return ({"n_blocks": blocks, "live_blocks": np.maximum(live, blocks * 0 + 1), "embedding": not last,
-             "head": last, "passes": passes}, shard.astype(np.float64), replicated)
+             "head": last, "passes": passes, "buffers": PipelineBuffers(**bufs), "others_blocks": others,
+             "received_gradient": not last, "chunk_blocks": chunk}, shard.astype(np.float64), replicated)

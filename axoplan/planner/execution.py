@@ -33,6 +33,7 @@ GRADIENT_REDUCE = ("compute", "fp32")
 GRADIENT_ACCUMULATION = ("fp32", "fused", "compute")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 PIPELINE = ("none", "1f1b", "interleaved")
+PIPELINE_BUFFERS = ("per-micro-batch", "per-transfer")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,15 @@ class Execution:
     # each transfer occupies its sender too (DeepSpeed's PipelineEngine: blocking p2p.send/recv instructions in
     # its schedule); false: sent beside the sender's next operation (torch.distributed.pipelining's isend)
     pipeline_blocking_p2p: bool = False
+    # what the pipeline holds for its stage boundaries (memory.pipeline_buffers). per-micro-batch: torch.distributed.
+    # pipelining's PipelineStage, a receive buffer per micro-batch for each boundary activation and gradient, kept,
+    # and each forward's output kept until its backward; per-transfer: each receive allocated as it arrives (the
+    # stage's input), each output freed once sent (Megatron's p2p_communication and deallocate_output_tensor)
+    pipeline_buffers: str = "per-micro-batch"
+    # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
+    # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
+    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py)
+    low_precision_grads_kept: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
     # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the
@@ -254,7 +264,7 @@ PRESETS = {
     "megatron-core": Execution(
         "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
-        pipeline="interleaved", pipeline_even_split=True,
+        pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer",
         grid_axes="yd", placement="yzx",
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
@@ -263,7 +273,7 @@ PRESETS = {
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
-        pipeline="interleaved", pipeline_even_split=True,
+        pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer",
         grid_axes="yd", placement="yzx",
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
@@ -307,7 +317,7 @@ PRESETS = {
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE,
            "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
-           "attention": ATTENTION, "pipeline": PIPELINE}
+           "attention": ATTENTION, "pipeline": PIPELINE, "pipeline_buffers": PIPELINE_BUFFERS}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
                   "first, or empty for any; pipeline: which schedules it runs")
 

@@ -14,7 +14,10 @@ the optimizer step. At each moment the live bytes are split into kinds:
   flight (at most `max_inflight_rs`, each with its padded copy and its reduced shard);
 - activations: what autograd saved (per block, or only block inputs plus the recomputed block);
 - logits: the LM head's output, its one fp32 copy in the loss and the gradient handed back;
-- transients: activation gradients and the fp32 temporaries of the norms' backward.
+- transients: activation gradients and the fp32 temporaries of the norms' backward;
+- pipeline buffers: on a pipeline stage, the receive buffers its framework keeps for the activations and the
+  gradients that cross the stage boundaries (pipeline_buffers); what each forward in flight keeps beyond its
+  saved activations, its stage output (or on the last stage its logits), counts with those kinds.
 
 Everything is per candidate (numpy arrays). What PyTorch and the driver add beyond tensors stays
 the profile's headroom.
@@ -29,11 +32,13 @@ from axoplan.planner.execution import AXOPLAN, Execution, op_selective
 from axoplan.planner.specs import ModelSpec
 from axoplan.planner.comm import FP32, padded_block, shard_elems
 
-KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients")
+KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients", "buffers")
 KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
-              "activations": "activations", "logits": "logits", "transients": "transients"}
-# fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward
-NORM_BWD_FP32_COPIES = 6
+              "activations": "activations", "logits": "logits", "transients": "transients",
+              "buffers": "pipeline buffers"}
+# fp32 copies of a [T, H/gx] tensor live at once at the worst point of an exact norm's backward (runtime/norm.py:
+# x-hat, dy, g and two temporaries of dx's expression; LayerNorm's mean term one more)
+NORM_BWD_FP32_COPIES = {"layernorm": 6, "rmsnorm": 5}
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Memory:
     activations: np.ndarray | None = None
     logits: np.ndarray | None = None
     transients: np.ndarray | None = None
+    buffers: np.ndarray | None = None
 
     def where(self, i: int) -> str:
         return self.moments[int(np.asarray(self.moment).reshape(-1)[i])]
@@ -63,11 +69,55 @@ class Memory:
 @dataclass
 class _Layer:
     """One linear (or the embedding) per candidate: bytes of its gathered block, of the gradient
-    block its backward makes, of what stays in flight until its reduce-scatter completes."""
+    block its backward makes, of what stays in flight until its reduce-scatter completes; of the reduced
+    shard (part of dw, allocated once the oldest reduce-scatter in flight has made room) and of the fp32 copy
+    of it made when it is added to the fp32 gradient (parallel_linear._accumulate: none where it is fp32)."""
 
     gathered: np.ndarray
     dw: np.ndarray
     inflight: np.ndarray
+    shard_out: np.ndarray | float = 0.0
+    accumulate: np.ndarray | float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineBuffers:
+    """What one pipeline rank's framework holds for its stage boundaries, in counts per candidate: receive
+    buffers of one boundary activation (or its gradient) each, how many of them are the inputs its forwards
+    in flight saved (counted with the buffers, not the activations), the stage outputs and the logits its
+    forwards in flight keep until their backward ends."""
+
+    recv: np.ndarray | float = 0.0
+    received_inputs: np.ndarray | float = 0.0
+    outputs: np.ndarray | float = 0.0
+    logits: np.ndarray | float = 0.0
+
+
+NO_PIPELINE_BUFFERS = PipelineBuffers()
+
+
+def pipeline_buffers(execution: Execution, pp: int, vpp: int, rank: int, m, flight) -> PipelineBuffers:
+    """The buffers of pipeline rank `rank` (its virtual stages rank + k pp) with m micro-batches per step and
+    `flight` the forwards of each virtual stage in flight at its peak (pipeline.peak_in_flight).
+
+    per-micro-batch (torch.distributed.pipelining, torch 2.13 stage.py): when the schedule first runs,
+    _setup_forward_recv_info gives every non-first virtual stage one activation receive buffer per micro-batch
+    (the received activation is that buffer: the stage's input, saved by its first block) and
+    _setup_backward_recv_info every non-last one a gradient receive buffer per micro-batch, all kept for the
+    run; fwd_cache keeps each forward's output (the last stage's: its logits) until that micro-batch's backward
+    has returned. per-transfer: nothing beyond the saved inputs (a receive allocated per transfer is the stage
+    input; Megatron's deallocate_output_tensor frees the output once sent)."""
+    if execution.pipeline_buffers != "per-micro-batch":
+        return NO_PIPELINE_BUFFERS
+    V = pp * vpp
+    own = range(rank, V, pp)
+    flight = np.asarray(flight, dtype=np.float64)
+    m = np.asarray(m, dtype=np.float64)
+    n_act = sum(v != 0 for v in own)
+    n_grad = sum(v != V - 1 for v in own)
+    return PipelineBuffers(recv=(n_act + n_grad) * m, received_inputs=sum(flight[v] for v in own if v != 0),
+                           outputs=sum(flight[v] for v in own if v != V - 1),
+                           logits=flight[V - 1] if V - 1 in own else 0.0)
 
 
 def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False, reduce_bytes: int | None = None
@@ -87,7 +137,8 @@ def _layer(numel, gz, e: int, grad_bytes: int | None = None, copy: bool = False,
                   numel * gb + (numel * FP32 if gb != FP32 else 0.0))
     # in flight: the full-size block (or its padded, cast copy) and the reduced shard
     inflight = np.where(sharded, padded * r + shard * r, 0.0)
-    return _Layer(gathered, dw, inflight)
+    return _Layer(gathered, dw, inflight, np.where(sharded, shard * r, 0.0),
+                  np.where(sharded & (r != FP32), shard * FP32, 0.0))
 
 
 def memory(*args, breakdown: bool = False, **kw) -> Memory:
@@ -112,7 +163,9 @@ def memory(*args, breakdown: bool = False, **kw) -> Memory:
 def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elements, replicated_elements,
                  block_elems, lm_elems, emb_elems, dtype_bytes: int, prefetch: bool, max_inflight_rs: int,
                  passes: tuple, gdata=1, execution: Execution = AXOPLAN, seq_len: int | None = None,
-                 n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True) -> dict:
+                 n_blocks=None, live_blocks=None, embedding: bool = True, head: bool = True,
+                 buffers: PipelineBuffers = NO_PIPELINE_BUFFERS, others_blocks=0.0, received_gradient: bool = False,
+                 chunk_blocks=None) -> dict:
     """moment -> kind -> live bytes per candidate, in step order. block_elems: the gathered elements of
     each block linear (qkv, attn_out, fc1, fc2) per GPU; lm_elems/emb_elems: the LM head's and the
     embedding's; shard_elements: this GPU's weight shards; replicated_elements: its norm and
@@ -125,7 +178,11 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     context unless given) and its attention-core recompute. A pipeline stage (pipeline.py) holds n_blocks blocks
     (default all), the embedding and the LM head only where it says so, and when its backward starts the
     activations of live_blocks blocks are saved (its micro-batches in flight; default n_blocks); its passes
-    are the stage's (Pass.stage)."""
+    are the stage's (Pass.stage). buffers: what its framework holds for the stage boundaries (pipeline_buffers);
+    others_blocks: the blocks of its other micro-batches in flight, still saved when its blocks' backward is
+    done (the embedding's); received_gradient: the gradient entering its last block is a receive buffer (no
+    residual-stream gradient of its own until the MLP branch's is added); chunk_blocks: the blocks of the
+    (virtual) stage whose backward is walked, after which nothing is prefetched (default n_blocks)."""
     e = dtype_bytes
     fused = execution.elementwise_kernels == "fused"
     fused_loss = execution.loss_kernel == "fused"
@@ -183,18 +240,25 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         selected = T * ((sel.kept_split / gy + qh) * e + heads * FP32) + Ts * sel.kept_full * e
     # all blocks but the last, as the backward finds them when it reaches the last block
     earlier = np.where(ck, (live - 1) * (x_in + selected), (live - 1) * (x_in + block_saved))
+    one_block = np.where(ck, x_in + selected, x_in + block_saved)  # what one block keeps for its backward
     final = Ts * (2 * hx * e + FP32 * 2) * head  # the final norm's input and output (the LM head's input)
 
     def inflight(layers):
         """Bytes still in flight when the next layer's dW appears: the last max_inflight_rs issued."""
         return sum(layer.inflight for layer in layers[-max_inflight_rs:]) if max_inflight_rs > 0 else 0.0
 
+    # the stage boundaries' receive buffers (the inputs of the forwards in flight among them), the outputs and
+    # logits the forwards in flight keep (the logits of the one in backward: the loss's own saved logits)
+    bufs = buffers.recv * x_in
+    held = buffers.outputs * x_in - buffers.received_inputs * x_in
+    held_logits = buffers.logits * T * vl * e
     moments = {}
     only = [1.0]  # 0 where a stage has no such moment (the block before the last on a one-block stage)
 
-    def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0):
+    def moment(name, gathered, gradients, activations, logits=0.0, transients=0.0, in_step=True):
         kinds = {"states": states, "gathered": gathered, "gradients": gradients,
-                 "activations": activations, "logits": logits, "transients": transients}
+                 "activations": activations + held * in_step, "logits": logits + held_logits * in_step,
+                 "transients": transients, "buffers": bufs}
         moments[name] = kinds if isinstance(only[0], float) else {k: v * only[0] for k, v in kinds.items()}
 
     # every block's input (or all it saved) and the final norm's
@@ -205,7 +269,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     layers["embedding"] = _Layer(0.0, emb.dw, emb.inflight)  # its backward needs no weight
     kept = [layers[w.name].gathered for w in forward.block]  # in the order the recompute gathers them
     dres = Ts * hx * e  # the residual stream's gradient, live through the blocks
-    norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES * FP32))
+    norm_bwd = Ts * hx * (e + (0 if fused else NORM_BWD_FP32_COPIES[model.norm] * FP32))
     qkv_l = qh + 2 * kvh
     attention = qkv_l * e * 2  # attention's backward: q, k, v's gradients
     if unfused:
@@ -223,15 +287,19 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # the saved logits and their one fp32 copy; backward also the gradient handed back (the copy itself
         # when the logits are fp32)
         loss_f, loss_b = T * vl * (e + FP32), T * vl * (e + FP32 + (e if e != FP32 else 0))
-    logits = {"": 0.0, "loss forward": loss_f, "loss backward": loss_b, "logits gradient": T * vl * e}
+    # on a pipeline's last stage the logits the loss saves are the ones its forward keeps (counted held)
+    own_logits = (np.asarray(buffers.logits) > 0) * T * vl * e
+    logits = {"": 0.0, "loss forward": loss_f - own_logits, "loss backward": loss_b - own_logits,
+              "logits gradient": T * vl * e}
     order = []  # reduce-scatters issued so far, oldest first
 
-    def walk(windows, label, activations, then, live, block: bool, cached=None):
+    def walk(windows, label, activations, then, live, block: bool, cached=None, next_block=1.0):
         """The moments of these windows in order. Without checkpointing a window holds its own weight at its
         GEMM and prefetches the next gather to come: its own before its GEMM, else the next window's (after
         the last window, `then`); in a block under checkpointing, the recomputed weights still kept and the
         next block's first. `live`: the activations still saved, freed as the moments say. `cached`: the
-        weights an execution that does not reshard after the forward still holds gathered (all of them)."""
+        weights an execution that does not reshard after the forward still holds gathered (all of them).
+        next_block: 0 where no block of the same backward follows (nothing to prefetch into its recompute)."""
         for i, w in enumerate(windows):
             layer = layers[w.name]
             following = layers[windows[i + 1].name].gathered if i + 1 < len(windows) else then
@@ -241,16 +309,35 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
                 nxt = layer.gathered if before_gemm and not mo.gemm else following
                 gathered = (own.gathered if own is not None else 0.0) + nxt * pre
                 if block:
-                    gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre, gathered)
+                    gathered = np.where(ck, sum(kept[:mo.kept]) + kept[0] * pre * next_block, gathered)
                 if cached is not None:
                     gathered = cached
-                moment(label + mo.name, gathered, inflight(order) + (own.dw if own is not None else 0.0),
-                       activations(live), logits[mo.logits], transients[mo.transient] + (dres if block else 0.0))
+                gradients = inflight(order)
+                if own is not None:
+                    gradients = gradients + own.dw
+                    if max_inflight_rs == 0:  # reduced at once, then added to the fp32 gradient
+                        gradients = gradients + own.accumulate
+                    elif len(order) >= max_inflight_rs:
+                        # room first: the oldest in flight is added to its fp32 gradient (a cast copy of its
+                        # shard) while still held, before this one's reduced shard exists
+                        oldest = order[-max_inflight_rs]
+                        gradients = np.maximum(gradients, gradients - own.shard_out + oldest.accumulate)
+                own_dres = dres if block else 0.0
+                if block and received_gradient and label == "backward last block " and mo.name in ("fc2", "fc1", "norm2"):
+                    own_dres = 0.0  # until the MLP branch's gradient joins it, the residual's is the received one
+                moment(label + mo.name, gathered, gradients, activations(live), logits[mo.logits],
+                       transients[mo.transient] + own_dres)
                 for k in mo.frees:
                     live.pop(k)
                 if mo.gemm:
                     order.append(layer)
                     before_gemm = False
+                if block and mo.name == "fc2" and model.mlp == "swiglu":
+                    # the product silu(gate) * up backward: fc2's input freed, silu(gate) still saved beside fc1's
+                    # output; fc2's dI and the two gradients it makes, [T, ffn] each
+                    moment(label + "swiglu", cached if cached is not None else
+                           np.where(ck, sum(kept[:mo.kept - 1]) + kept[0] * pre * next_block, following * pre),
+                           inflight(order), activations(live) + T * ffn * e, 0.0, 3 * T * ffn * e + own_dres)
 
     # the loss, the LM head's and the final norm's backward: the stack of activations until the LM head's
     # input is freed; the next gather is the last block's first: the recompute's (qkv) or the backward's (fc2)
@@ -264,22 +351,33 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         return (None if execution.reshard_after_forward else
                 blocks * per_block + embedding * emb.gathered + head * has_head * lm.gathered)
 
+    if execution.low_precision_grads_kept:
+        # a forward after a backward (the next micro-batch's; a pipeline's steady state, every forward in flight
+        # saved) while that backward's compute-dtype gradients are still kept: the end of its last block's forward
+        lp_grads = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) * e
+        moment("forward after a backward", kept[-1] + kept[0] * pre, lp_grads, live * one_block,
+               transients=np.where(ck, T * (f1 * e + act_out), 0.0))
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
          {"head input": Ts * hx * e}, False, cache(L, True))
 
     # the last two blocks' backward, window by window; the second finds the first's reduce-scatters in flight
     # the recompute's block output, held until its backward ends (none when only the core is recomputed)
     recomputed_out = np.where(ck, x_in, 0.0) * (not attention_core)
-    one_block = np.where(ck, x_in + selected, x_in + block_saved)
+    # a block of the chunk in backward follows these two (its weights prefetched), else the embedding or nothing
+    chunk = np.asarray(L if chunk_blocks is None else chunk_blocks, dtype=np.float64)
+    following = [(chunk > 1).astype(np.float64), (chunk > 2).astype(np.float64)]
     for blk, label in ((0, "last block"), (1, "block before it"))[:min(int(np.max(L)), 2)]:
         only[0] = 1.0 if blk == 0 or np.min(L) >= 2 else (np.asarray(L) >= 2).astype(np.float64)
         walk(backward.block, f"backward {label} ",
              lambda live, blk=blk: earlier - blk * one_block + x_in + T * sum(live.values()) + recomputed_out,
-             layers[backward.block[0].name].gathered, dict(saved), True, cache(L - blk))
+             layers[backward.block[0].name].gathered * following[blk], dict(saved), True, cache(L - blk),
+             following[blk])
 
     only[0] = 1.0
     # the embedding's backward (every block done, its fp32 gradient block), then the optimizer step
-    walk(backward.suffix, "", lambda live: 0.0, 0.0, {}, False, cache(0))
-    moment("optimizer step", 0.0, 0.0, 0.0)
+    # the other micro-batches in flight keep their blocks' saved activations through it
+    others = np.asarray(others_blocks, dtype=np.float64) * one_block
+    walk(backward.suffix, "", lambda live: others, 0.0, {}, False, cache(0))
+    moment("optimizer step", 0.0, 0.0, 0.0, in_step=False)
 
     return moments

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-KINDS = ("states", "gathered weights", "gradient blocks", "activations", "logits", "transients")
+KINDS = ("states", "gathered weights", "gradient blocks", "activations", "logits", "transients", "pipeline buffers")
 
 
 class MemoryTracer(TorchDispatchMode):

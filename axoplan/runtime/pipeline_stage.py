@@ -85,6 +85,15 @@ class TracedStage(PipelineStage):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
             self.rt.finish_backward()
 
+    # ---- the stage boundaries' receive buffers (memory.pipeline_buffers), allocated by torch on the first step --
+    def _prepare_forward_infra(self, num_microbatches, *args, **kw):
+        with self.rt.memory_kind("pipeline buffers"):
+            return super()._prepare_forward_infra(num_microbatches, *args, **kw)
+
+    def _prepare_backward_infra(self, num_microbatches, *args, **kw):
+        with self.rt.memory_kind("pipeline buffers"):
+            return super()._prepare_backward_infra(num_microbatches, *args, **kw)
+
     # ---- the transfers, recorded as they are issued ----------------------------------------------
     def _recorded(self, ops, kind: str, direction: str, chunk: int):
         for op in ops:
