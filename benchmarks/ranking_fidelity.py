@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -28,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from axoplan.loop import validate as V  # noqa: E402
+from axoplan.loop.launch import pipeline_of  # noqa: E402
 from axoplan.planner.machine import load_profile  # noqa: E402
 from axoplan.planner.rank import explain  # noqa: E402
 from axoplan.loop.refit import format_report, predict, refit_profile, runs_from_results  # noqa: E402
@@ -46,12 +48,15 @@ def breakdown(args, ranks, res):
     """Per run: measured vs predicted, and the model's split into compute / exposed communication / the
     data-parallel and optimizer step terms, for finding which term is off."""
     rows = []
-    for r in res.itertuples(index=False):
+    for row in res.to_dict("records"):
+        r = SimpleNamespace(**row)
         if r.status != "ok":
             rows.append(f"  {r.candidate:26s} {r.status:8s} {r.error}")
             continue
+        pp, vpp, schedule = pipeline_of(row)
         ex = explain(args.model, args.machine, ranks, args.global_batch, (int(r.gx), int(r.gy), int(r.gz), int(r.gdata)),
-                     order=r.order, micro_batch=int(r.micro_batch), checkpointing=bool(r.checkpointing))
+                     order=r.order, micro_batch=int(r.micro_batch), checkpointing=bool(r.checkpointing), pp=pp,
+                     vpp=vpp, schedule=schedule)
         s = ex.summary.iloc[0]
         ncalls = int(ex.collectives["calls_per_step"].sum()) if len(ex.collectives) else 0
         rows.append(f"  {r.candidate:26s} meas {r.measured_time_s * 1e3:8.2f} ms  pred {s.batch_time_s * 1e3:8.2f} ms  "
