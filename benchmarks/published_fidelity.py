@@ -89,7 +89,7 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
 # over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
 # over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
 MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
-    MEGATRON_DEEPSPEED, name="megatron-deepspeed-bf16-optimizer", sharded_gradient_all_reduce=True,
+    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True,
     gradient_accumulation="fp32", low_precision_grads_kept=True,
     source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added "
                                        "into its fp32 ones (pipe/engine.py _exec_backward_pass: update_hp_grads), "
