@@ -157,35 +157,34 @@ def test_incomplete_run_is_refused(tmp_path):
         profile_writer.build(rd, "x", "x.csv")
 
 
-def test_framework_overhead_and_elementwise_efficiency_recovered(tmp_path):
-    """Trainer steps made by the planner itself with a known per-kernel cost and element-wise efficiency:
-    the writer's fit must give both back."""
-    import tempfile
-    from pathlib import Path
-
+def _framework_steps(tmp_path, change, scale: float = 1.0):
+    """A calibration run whose framework rows are the planner's own times of framework.CONFIGS (times `scale`)
+    under the synthetic profile with `change` (MachineProfile.replace's fields) applied."""
     import numpy as np
 
     from axoplan.planner.batch import evaluate
-    from axoplan.planner.machine import load_profile
     from axoplan.planner.space import Candidates
     from axoplan.planner.specs import Job
     from axoplan.calibrate import framework
 
     rd = write(tmp_path / "r")
     first = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
-    with tempfile.TemporaryDirectory() as d:
-        for name, text in first.files().items():
-            (Path(d) / name).write_text(text)
-        prof = load_profile(str(Path(d) / "synthetic.yaml"))
-    true = prof.replace(kernel_overhead=20e-6, elementwise_efficiency=0.125)
+    prof = profile_writer._load(first.profile, first.files())
+    made = prof.replace(**change(prof))
     one = np.ones(1, dtype=np.int64)
     for layers, acc, mb, hidden, heads, vocab, seq in framework.CONFIGS:
         model = framework.tiny_model(layers, hidden, heads, vocab, seq)
         c = Candidates(one, one, one, one, 0 * one, one * mb, np.zeros(1, dtype=bool))
-        sec = float(evaluate(model, true, Job(1, acc * mb, seq), c).batch_time[0])
+        sec = scale * float(evaluate(model, made, Job(1, acc * mb, seq), c).batch_time[0])
         rd.append("framework", {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq,
                                 "micro_batch": mb, "grad_acc": acc, "seconds": sec})
-    built = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    return profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+
+
+def test_framework_overhead_and_elementwise_efficiency_recovered(tmp_path):
+    """Trainer steps made by the planner itself with a known per-kernel cost and element-wise efficiency:
+    the writer's fit must give both back."""
+    built = _framework_steps(tmp_path, lambda p: {"kernel_overhead": 20e-6, "elementwise_efficiency": 0.125})
     assert built.profile["compute"]["kernel_overhead_us"]["value"] == pytest.approx(20.0, rel=0.01)
     assert built.profile["memory"]["elementwise_efficiency"] == pytest.approx(0.125, rel=0.01)
     assert "autograd" in built.profile["compute"]["kernel_overhead_us"]["source"]
@@ -195,32 +194,8 @@ def test_framework_overhead_and_elementwise_efficiency_recovered(tmp_path):
 def test_steps_faster_than_their_modelled_arithmetic_give_the_dispatch_floor_with_a_note(tmp_path):
     """A machine (or a GEMM table short of the tiny models' shapes) whose trainer steps take no longer than
     the modelled GEMMs and attention: the overhead is a bare op's dispatch, said in the source, not an error."""
-    import tempfile
-    from pathlib import Path
-
-    import numpy as np
-
-    from axoplan.planner.batch import evaluate
-    from axoplan.planner.machine import load_profile
-    from axoplan.planner.space import Candidates
-    from axoplan.planner.specs import Job
-    from axoplan.calibrate import framework
-
-    rd = write(tmp_path / "r")
-    first = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
-    with tempfile.TemporaryDirectory() as d:
-        for name, text in first.files().items():
-            (Path(d) / name).write_text(text)
-        prof = load_profile(str(Path(d) / "synthetic.yaml"))
-    bare = prof.replace(kernel_overhead=0.0, elementwise_efficiency=prof.elementwise_efficiency * 1e6)
-    one = np.ones(1, dtype=np.int64)
-    for layers, acc, mb, hidden, heads, vocab, seq in framework.CONFIGS:
-        model = framework.tiny_model(layers, hidden, heads, vocab, seq)
-        c = Candidates(one, one, one, one, 0 * one, one * mb, np.zeros(1, dtype=bool))
-        sec = 0.8 * float(evaluate(model, bare, Job(1, acc * mb, seq), c).batch_time[0])
-        rd.append("framework", {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq,
-                                "micro_batch": mb, "grad_acc": acc, "seconds": sec})
-    built = profile_writer.build(rd, "synthetic", "synthetic_gemm.csv")
+    built = _framework_steps(tmp_path, lambda p: {"kernel_overhead": 0.0,
+                                                  "elementwise_efficiency": p.elementwise_efficiency * 1e6}, 0.8)
     oh = built.profile["compute"]["kernel_overhead_us"]
     assert oh["value"] == pytest.approx(OVERHEAD * 1e6) and built.summary["framework_overhead_at_floor"]
     assert "6 of 6 no longer than their modelled GEMM and attention" in oh["source"]
