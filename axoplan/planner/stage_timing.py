@@ -199,7 +199,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             return out
 
     ckf = flat(ck)
-    pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(sched.grad_acc)
+    m_raw = _timed_micro_batches(c.schedule, c.pp, sched.grad_acc)
+    pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(m_raw)
     L = model.n_layers
     # the rank's once-per-step work: first, the heaviest middle rank (1), last
     ranks = {"first": 0, "middle": 1, "last": None}
@@ -227,7 +228,6 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         return out
 
     sends = flat(sched.p2p)
-    m = _timed_micro_batches(sc, pp, m)
     walk_m = np.zeros_like(m)
     for s_, name in enumerate(SCHEDULES):
         walk_m = np.where(sc == s_, walked(name, pp, m), walk_m)
@@ -290,7 +290,6 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         # elementwise over the candidates' own shapes (the checkpointing axis broadcast, not copied)
         full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
         rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
-        m_raw = _timed_micro_batches(c.schedule, c.pp, sched.grad_acc)
         for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L, ex.pipeline_blocking_p2p).items():
             out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         todo = walk.first(out["batch"] + overhead)
@@ -364,8 +363,7 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blockin
 
     def rank_sum(what, r):
         fixed, per_block, first, last = rank_terms[what]
-        nb = vpp * q + np.clip(-(-(rem - r) // pp), 0, vpp)  # rank_blocks
-        return fixed + per_block * nb + np.where(r == 0, first, 0.0) + np.where(r == pp - 1, last, 0.0)
+        return fixed + per_block * rank_blocks(n_layers, pp, vpp, r) + np.where(r == 0, first, 0.0) + np.where(r == pp - 1, last, 0.0)
 
     def path(ps, r):  # bound_time's prefix: the first virtual stages of the ranks before r, a transfer each
         first, step, per_block = path_terms[ps]
