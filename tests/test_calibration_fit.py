@@ -199,6 +199,10 @@ def test_steps_faster_than_their_modelled_arithmetic_give_the_dispatch_floor_wit
     oh = built.profile["compute"]["kernel_overhead_us"]
     assert oh["value"] == pytest.approx(OVERHEAD * 1e6) and built.summary["framework_overhead_at_floor"]
     assert "6 of 6 no longer than their modelled GEMM and attention" in oh["source"]
+    # element-wise work the steps need not explain: the efficiency at its cap, a profile that loads
+    cap = built.summary["elementwise_efficiency_ops"] / profile_writer.MIN_ELEMENTWISE_SCALE
+    assert built.summary["elementwise_efficiency"] <= cap * (1 + 1e-9)
+    assert profile_writer._load(built.profile, built.files()).elementwise_efficiency <= cap * (1 + 1e-3)
 
 
 def test_overlap_efficiency_is_the_median_of_the_measurements(tmp_path):

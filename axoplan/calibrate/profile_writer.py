@@ -378,6 +378,11 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+# the fitted element-wise time is at least 1/1000 of the isolated ops' (efficiency at most 1000x theirs): steps
+# whose element-wise work the fit need not explain would otherwise give an unbounded efficiency
+MIN_ELEMENTWISE_SCALE = 1e-3
+
+
 def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: str, bare: dict):
     """Per kernel the trainer dispatches, and per element-wise byte: each measured step less what the
     planner models for its GEMMs and attention, split by bounded least squares into
@@ -420,11 +425,11 @@ def framework_part(rows: list[dict], profile: dict, files: dict[str, str], tag: 
     floor = bare["us"] * 1e-6
     # relative error of each whole step: every model counts alike, and a step faster than its modelled
     # arithmetic (negative remainder) still weighs as itself
-    fit = lsq_linear(A / sec[:, None], (sec - base) / sec, bounds=([floor, 0.0], [np.inf, np.inf]))
+    fit = lsq_linear(A / sec[:, None], (sec - base) / sec, bounds=([floor, MIN_ELEMENTWISE_SCALE], [np.inf, np.inf]))
     oh, s = (float(v) for v in fit.x)
     pred = base + A @ np.array([oh, s])
     err = float(np.sqrt(np.mean((pred / sec - 1) ** 2)))
-    eff = prof.elementwise_efficiency * (1.0 / s if s > 0 else 1e3)
+    eff = prof.elementwise_efficiency / s
     fast = int(np.sum(sec <= base))
     at_floor = oh <= floor * (1 + 1e-6)
     note = ""
