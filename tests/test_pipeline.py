@@ -237,6 +237,36 @@ def test_ranking_walks_every_candidate_that_can_be_among_the_best():
     assert bounded.any() and np.all(some.batch_time[bounded] <= full.batch_time[bounded] * (1 + 1e-12))
 
 
+def test_chunks_and_unbounded_infeasible_keep_the_best(monkeypatch):
+    """Evaluated in chunks (each pruned by the best before it) and with the infeasible ones left untimed, the
+    top rows, every exact time, the memory and the reasons are those of one evaluation of all."""
+    from axoplan.planner import batch
+    from axoplan.planner.execution import PRESETS
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.specs import Job, load_model
+
+    model, prof = load_model("gpt-20b"), load_profile("dgx-a100")
+    job = Job(64, 512, model.seq_len)
+    c = enumerate_space(64, 512, pipelines=pipeline_choices(64, model.n_layers, "all"))
+    ex = PRESETS["megatron-core"]
+    whole = batch.evaluate(model, prof, job, c, execution=ex, top=10)
+    monkeypatch.setattr(batch, "CHUNK", 97)
+    assert len(batch._chunks(c.take(np.nonzero(c.pp > 1)[0]), False)) > 10
+    chunked = batch.evaluate(model, prof, job, c, execution=ex, top=10)
+    lean = batch.evaluate(model, prof, job, c, execution=ex, top=10, bound_infeasible=False)
+    best = lambda ev: np.argsort(np.where(ev.feasible, ev.batch_time, np.inf), kind="stable")[:10]  # noqa: E731
+    for ev in (chunked, lean):
+        assert np.array_equal(best(whole), best(ev))
+        assert np.array_equal(ev.feasible, whole.feasible) and np.array_equal(ev.reason_code, whole.reason_code)
+        assert np.array_equal(ev.memory.total, whole.memory.total, equal_nan=True)
+        both = ev.exact & whole.exact
+        assert both[ev.feasible].sum() >= 10
+        assert np.array_equal(ev.batch_time[both], whole.batch_time[both])
+    untimed = (c.pp > 1) & ~whole.feasible
+    assert untimed.any() and np.isnan(lean.batch_time[untimed]).all()
+    assert np.isfinite(lean.batch_time[lean.feasible]).all()
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), n_layers=st.integers(8, 40), blocking=st.booleans())
 def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers, blocking):

@@ -47,43 +47,91 @@ TOP_SLACK = 1.05
 
 def evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, overlap: bool = True,
              blas_tuning: bool | None = None, explain: bool = False, execution: Execution = AXOPLAN,
-             top: int | None = None) -> Evaluation:
+             top: int | None = None, bound_infeasible: bool = True) -> Evaluation:
     """Batch time, compute, communication, memory and feasibility of every candidate, as arrays.
 
     top: only the best `top` feasible candidates need an exact time: a pipelined candidate is walked when its
     lower bound (stage_timing.bound_time) is within TOP_SLACK of the top-th best time walked or computed, else
-    it keeps the bound and `exact` False (it cannot be among them). None: every candidate walked."""
+    it keeps the bound and `exact` False (it cannot be among them). None: every candidate walked.
+    bound_infeasible: with top, False leaves the pipelined candidates out of memory untimed (NaN), for a
+    ranking that lists only feasible ones."""
+    parts = _parts(model, profile, job, c, overlap, blas_tuning, explain, execution, (top, bound_infeasible))
+    if len(parts) == 1:
+        return parts[0][1]
+    return _merge_many([ev for _, ev in parts], [at for at, _ in parts])
+
+
+# candidates (pairs of checkpointing off and on) evaluated at once: a chunk's arrays are reused by the allocator
+# from one chunk to the next, where the whole of a 65,536-GPU space at once is ~600 MB of fresh pages
+CHUNK = 32768
+
+
+def _parts(model, profile, job, c, overlap, blas_tuning, explain, execution, walk) -> list:
+    """(rows of c, their Evaluation) that make up evaluate(): the candidates without a pipeline; the pipelined
+    ones in chunks, each walked where the best times before it leave it among the best (BestOf: a limit from
+    fewer candidates is never tighter); and the pipelined ones a rule excludes (not timed, _excluded)."""
     pipe = c.pp > 1
+    rows = np.arange(len(c))
+    excluded = np.zeros(len(c), dtype=bool)
     if pipe.any() and not explain:
         code = _rule_codes(_rules(model, job, c, execution), np.shape(c.gx))
-        out = pipe & (code >= 0)
-        if out.any():  # a pipelined candidate a rule excludes has no step to walk: not timed (_excluded)
-            a, b = np.nonzero(~out)[0], np.nonzero(out)[0]
-            if not len(a):
-                return _excluded(model, job, c, code, execution, None, profile)
-            x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution, top)
-            return _merge(x, _excluded(model, job, c.take(b), code[b], execution, x, profile), a, b)
-    if pipe.any() and not pipe.all():  # pipelined candidates are timed by walking their order: two evaluations
-        a, b = np.nonzero(~pipe)[0], np.nonzero(pipe)[0]
-        x = evaluate(model, profile, job, c.take(a), overlap, blas_tuning, explain, execution)
-        known = x.batch_time[x.feasible]
-        return _merge(x, _evaluate_paired(model, profile, job, c.take(b), overlap, blas_tuning, explain, execution,
-                                          top, known), a, b)
-    return _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top)
+        excluded = pipe & (code >= 0)
+    top = walk[0]
+    parts = []
+    flat = rows[~pipe]
+    if len(flat):
+        one = c if len(flat) == len(c) else c.take(flat)
+        parts.append((flat, _evaluate_paired(model, profile, job, one, overlap, blas_tuning, explain, execution, walk)))
+    known = parts[0][1].batch_time[parts[0][1].feasible] if parts else np.zeros(0)
+    walked = rows[pipe & ~excluded]
+    if len(walked):
+        cw = c if len(walked) == len(c) else c.take(walked)
+        for at in _chunks(cw, explain):
+            ev = _evaluate_paired(model, profile, job, cw.take(at) if len(at) < len(cw) else cw, overlap,
+                                  blas_tuning, explain, execution, walk, known)
+            parts.append((walked[at], ev))
+            if top is not None:  # the best `top` exact times so far are all a later chunk's limit needs
+                known = np.concatenate([known, ev.batch_time[ev.feasible & np.broadcast_to(ev.exact, len(at))]])
+                known = np.partition(known, top - 1)[:top] if len(known) > top else known
+    if excluded.any():
+        at = rows[excluded]
+        parts.append((at, _excluded(model, job, c.take(at), code[at], execution, parts[0][1] if parts else None,
+                                    profile)))
+    return parts
 
 
-def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, top, known=()):
+def _chunks(c: Candidates, explain: bool) -> list:
+    """Rows of c in chunks of CHUNK candidates (of CHUNK pairs where the second half is the first with
+    checkpointing on, so that each chunk is evaluated once over both)."""
+    pairs = not explain and _paired(c)
+    n = len(c) // 2 if pairs else len(c)
+    size = CHUNK if pairs else 2 * CHUNK
+    if explain or n <= size:
+        return [np.arange(len(c))]
+    out = []
+    for lo in range(0, n, size):
+        idx = np.arange(lo, min(lo + size, n))
+        out.append(np.concatenate([idx, idx + n]) if pairs else idx)
+    return out
+
+
+def _paired(c: Candidates) -> bool:
+    """The second half of c is the first with checkpointing on."""
     h = len(c) // 2
-    paired = (not explain and h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any()
-              and c.checkpointing[h:].all()
-              and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
+    return (h > 0 and len(c) == 2 * h and not c.checkpointing[:h].any() and c.checkpointing[h:].all()
+            and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
+
+
+def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, walk, known=()):
+    h = len(c) // 2
+    paired = not explain and _paired(c)
     with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
         if not paired:
-            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution, top,
+            return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution, walk,
                              known)
         # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
         ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
-                       False, execution, top, known)
+                       False, execution, walk, known)
 
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
@@ -97,29 +145,41 @@ def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, exec
 
 def _merge(x: Evaluation, y: Evaluation, a: np.ndarray, b: np.ndarray) -> Evaluation:
     """One Evaluation of the candidates whose rows a and b the two evaluated (the same reasons)."""
-    n = len(a) + len(b)
+    return _merge_many([x, y], [a, b])
 
-    def put(u, v):
-        out = np.empty(n, dtype=np.result_type(u, v))
-        out[a], out[b] = u, v
+
+def _merge_many(evs: list, at: list) -> Evaluation:
+    """One Evaluation of the candidates whose rows at[i] evs[i] evaluated (the same rules, so the same reasons)."""
+    n = sum(len(a) for a in at)
+
+    def put(get):
+        vs = [np.broadcast_to(get(e), (len(a),)) for e, a in zip(evs, at)]
+        out = np.empty(n, dtype=np.result_type(*vs))
+        for a, v in zip(at, vs):
+            out[a] = v
         return out
 
-    kinds = {k: None if getattr(x.memory, k) is None else put(getattr(x.memory, k), getattr(y.memory, k))
+    names = ()
+    for e in evs:
+        names += tuple(m for m in e.memory.moments if m not in names)
+    remaps = [np.array([names.index(m) for m in e.memory.moments], dtype=np.int64) for e in evs]
+    kinds = {k: None if getattr(evs[0].memory, k) is None else put(lambda e, k=k: getattr(e.memory, k))
              for k in MEMORY_KINDS}
-    names = x.memory.moments + tuple(m for m in y.memory.moments if m not in x.memory.moments)
-    remap = np.array([names.index(m) for m in y.memory.moments], dtype=np.int64)
-    mem = Memory(put(x.memory.total, y.memory.total), put(x.memory.moment, remap[y.memory.moment]), names, **kinds)
-    fields = ("batch_time", "compute", "comm", "exposed_comm")
-    return Evaluation(*(put(getattr(x, f), getattr(y, f)) for f in fields), mem, x.memory_limit,
-                      put(x.feasible, y.feasible), put(x.reason_code, y.reason_code), x.reasons,
-                      put(x.flops_per_gpu, y.flops_per_gpu), put(x.extrapolated, y.extrapolated), {},
-                      put(x.bubble, y.bubble), put(x.memory_rank, y.memory_rank),
-                      put(x.micro_batches, y.micro_batches), put(np.broadcast_to(x.exact, np.shape(x.batch_time)),
-                                                                 np.broadcast_to(y.exact, np.shape(y.batch_time))))
+    moment = np.empty(n, dtype=np.int64)
+    for a, e, r in zip(at, evs, remaps):
+        moment[a] = r[e.memory.moment]
+    mem = Memory(put(lambda e: e.memory.total), moment, names, **kinds)
+    fields = ("batch_time", "compute", "comm", "exposed_comm", "feasible", "reason_code", "flops_per_gpu",
+              "extrapolated", "bubble", "memory_rank", "micro_batches", "exact")
+    cols = {f: put(lambda e, f=f: getattr(e, f)) for f in fields}
+    return Evaluation(cols["batch_time"], cols["compute"], cols["comm"], cols["exposed_comm"], mem,
+                      evs[0].memory_limit, cols["feasible"], cols["reason_code"], evs[0].reasons,
+                      cols["flops_per_gpu"], cols["extrapolated"], {}, cols["bubble"], cols["memory_rank"],
+                      cols["micro_batches"], cols["exact"])
 
 
 def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN, top: int | None = None,
+              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN, walk: tuple = (None, True),
               known=()) -> Evaluation:
     """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
@@ -182,8 +242,9 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
     # ---- time: the schedule's windows, walked through the pipeline's order where there is one ---------
     bubble, exact = 0.0, True
     if piped:
+        top, bound_all = walk
         best = None if top is None else stage_timing.BestOf(top, known, np.broadcast_to(feasible, np.shape(code)),
-                                                             TOP_SLACK)
+                                                             TOP_SLACK, bound_all)
         pt = stage_timing.pipeline_step_time(profile, sched, model, c, execution, S, overlap, best)
         timed_step = pt
         batch, compute_total, comm_total, exposed, bubble = pt.batch, pt.compute, pt.comm, pt.exposed, pt.bubble

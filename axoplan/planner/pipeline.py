@@ -142,25 +142,34 @@ def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
     dep = np.where(kind == 0, np.where(v > 0, ids - m, -1), np.where(v < V - 1, ids + m, ids - V * m))
     seqs = rank_sequences(schedule, pp, vpp, m)
     lens = np.array([len(q) for q in seqs])
-    table = np.full((pp, int(lens.max()) + 1), -1, dtype=np.int64)
+    if max(int(q.max()) for q in seqs) >= n:  # an interleaved m that is not a multiple of pp names no operation
+        raise RuntimeError(f"the {schedule} order of pp={pp}, vpp={vpp}, m={m} deadlocks")
+    width = int(lens.max()) + 1
+    none, never = n, n + 1  # a missing input (done, level -1) and past a rank's last operation (never done)
+    table = np.full((pp, width), never, dtype=np.int64)
     for s, q in enumerate(seqs):
-        table[s, 1:len(q) + 1] = q  # column 0: no previous operation
-    level = np.full(n + 1, -1, dtype=np.int64)  # level[-1]: none, -1
-    ptr = np.ones(pp, dtype=np.int64)
-    ranks = np.arange(pp)
+        table[s, :len(q)] = q
+    table = table.reshape(-1)
+    deps = np.append(np.where(dep >= 0, dep, none), [none, never])[table]
+    done = np.zeros(n + 2, dtype=bool)
+    done[none] = True
+    level = np.full(n + 2, -1, dtype=np.int64)
+    last = np.full(pp, -1, dtype=np.int64)  # each rank's previous operation's level
+    pos = np.arange(pp) * width  # each rank's next operation, in the flat table
+    end = pos + lens
     while True:
-        live = ptr <= lens
-        if not live.any():
-            break
-        op = np.where(live, table[ranks, np.minimum(ptr, table.shape[1] - 1)], n)
-        d = np.where(live, dep[np.minimum(op, n - 1)], -1)
-        ready = live & ((d < 0) | (level[d] >= 0))
+        d = deps[pos]
+        ready = done[d]
         if not ready.any():
+            if np.array_equal(pos, end):
+                break
             raise RuntimeError(f"the {schedule} order of pp={pp}, vpp={vpp}, m={m} deadlocks")
-        before = level[table[ranks, ptr - 1]]
-        lev = 1 + np.maximum(before, np.where(d >= 0, level[d], -1))
-        level[op[ready]] = lev[ready]
-        ptr += ready
+        lev = 1 + np.maximum(last, level[d])
+        op = table[pos[ready]]
+        level[op] = lev[ready]
+        done[op] = True
+        last = np.where(ready, lev, last)
+        pos = pos + ready
     level = level[:n]
     ordered = np.argsort(level, kind="stable")
     index = np.empty(n, dtype=np.int64)

@@ -43,7 +43,7 @@ def _reasons(ev: Evaluation, c: Candidates, idx: np.ndarray) -> list[str]:
     m = np.broadcast_to(ev.micro_batches, np.shape(ev.batch_time))
     fields = {"gx": c.gx, "gy": c.gy, "gz": c.gz, "gdata": c.gdata, "micro_batch": c.micro_batch, "pp": c.pp,
               "vpp": c.vpp, "m": m, "mem": ev.memory.total / GIB}
-    for k in np.unique(code[code >= 0]):
+    for k in np.flatnonzero(np.bincount(code[code >= 0])):  # np.unique would import numpy.ma (~10 ms)
         at = np.nonzero(code == k)[0]
         template = ev.reasons[k]
         names = sorted({f for _, f, _, _ in string.Formatter().parse(template) if f and f != "limit"})
@@ -196,7 +196,8 @@ def ranking(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     c = enumerate_space(job.gpus, job.global_batch, order, micro_batch, checkpointing, max_micro_batch,
                         pipelines=_pipelines(ex, job, m, pp, vpp, schedule))
     # a pipelined candidate's walk only where it can be among the best listed (the others keep its lower bound)
-    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex, top=top or WALKED_BY_DEFAULT)
+    ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex, top=top or WALKED_BY_DEFAULT,
+                  bound_infeasible=include_infeasible)
     feas = np.nonzero(ev.feasible)[0]
     if len(feas) == 0 and not include_infeasible:
         raise _nothing_feasible(ev, c, m, p, job)

@@ -146,6 +146,7 @@ class BestOf:
     known: np.ndarray
     feasible: np.ndarray
     slack: float
+    bound_all: bool = True  # False: the infeasible ones get no bound either (NaN), where none is listed
 
     def first(self, bound: np.ndarray) -> np.ndarray:
         ok = np.asarray(self.feasible).reshape(-1)
@@ -288,10 +289,20 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             group(gi, idx)
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
         # elementwise over the candidates' own shapes (the checkpointing axis broadcast, not copied)
-        full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
-        rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
-        for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L, ex.pipeline_blocking_p2p).items():
-            out[k][:] = np.broadcast_to(v, shape).reshape(-1)
+        if walk.bound_all:
+            full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
+            rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
+            for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L,
+                               ex.pipeline_blocking_p2p).items():
+                out[k][:] = np.broadcast_to(v, shape).reshape(-1)
+        else:  # the feasible candidates' bounds, gathered
+            at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
+            full = {key: [a[at] for a in xs] for key, xs in flat_parts.items()}
+            rows = {k: tuple(a[at] for a in after[k]) for k in KINDS}
+            for k, v in bounds(full, rows, ckf[at], pp[at], vpp[at], m[at], sends[at], L,
+                               ex.pipeline_blocking_p2p).items():
+                out[k][:] = np.nan
+                out[k][at] = v
         todo = walk.first(out["batch"] + overhead)
         for round_ in range(2):
             for gi, idx in enumerate(groups):
