@@ -72,23 +72,24 @@ def _parts(model, profile, job, c, overlap, blas_tuning, explain, execution, wal
     fewer candidates is never tighter); and the pipelined ones a rule excludes (not timed, _excluded)."""
     pipe = c.pp > 1
     rows = np.arange(len(c))
-    excluded = np.zeros(len(c), dtype=bool)
-    if pipe.any() and not explain:
-        code = _rule_codes(_rules(model, job, c, execution), np.shape(c.gx))
-        excluded = pipe & (code >= 0)
+    rules = _rules(model, job, c, execution)
+    code = _rule_codes(rules, np.shape(c.gx))  # every rule before memory, once for all the parts
+    templates = [t for _, t in rules]
+    excluded = pipe & (code >= 0) if not explain else np.zeros(len(c), dtype=bool)
     top = walk[0]
     parts = []
     flat = rows[~pipe]
     if len(flat):
         one = c if len(flat) == len(c) else c.take(flat)
-        parts.append((flat, _evaluate_paired(model, profile, job, one, overlap, blas_tuning, explain, execution, walk)))
+        parts.append((flat, _evaluate_paired(model, profile, job, one, overlap, blas_tuning, explain, execution, walk,
+                                             (code[flat], templates))))
     known = parts[0][1].batch_time[parts[0][1].feasible] if parts else np.zeros(0)
     walked = rows[pipe & ~excluded]
     if len(walked):
         cw = c if len(walked) == len(c) else c.take(walked)
         for at in _chunks(cw, explain):
             ev = _evaluate_paired(model, profile, job, cw.take(at) if len(at) < len(cw) else cw, overlap,
-                                  blas_tuning, explain, execution, walk, known)
+                                  blas_tuning, explain, execution, walk, (code[walked[at]], templates), known)
             parts.append((walked[at], ev))
             if top is not None:  # the best `top` exact times so far are all a later chunk's limit needs
                 known = np.concatenate([known, ev.batch_time[ev.feasible & np.broadcast_to(ev.exact, len(at))]])
@@ -122,16 +123,18 @@ def _paired(c: Candidates) -> bool:
             and all(np.array_equal(getattr(c, f)[:h], getattr(c, f)[h:]) for f in CANDIDATE_FIELDS[:-1]))
 
 
-def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, walk, known=()):
+def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, execution, walk, rules, known=()):
+    """_evaluate, once over both halves where the second is the first with checkpointing on. rules: (the first
+    rule before memory each candidate violates, -1 none; the rules' reason templates)."""
     h = len(c) // 2
     paired = not explain and _paired(c)
     with np.errstate(divide="ignore", invalid="ignore"):  # rows with a zero-sized shard are infeasible anyway
         if not paired:
             return _evaluate(model, profile, job, c, c.checkpointing, overlap, blas_tuning, explain, execution, walk,
-                             known)
+                             rules, known)
         # the second half is the first with checkpointing on: evaluate once, broadcast over [off, on]
         ev = _evaluate(model, profile, job, c.take(slice(0, h)), np.array([[False], [True]]), overlap, blas_tuning,
-                       False, execution, walk, known)
+                       False, execution, walk, (rules[0][:h], rules[1]), known)
 
     def flat(x):
         return np.broadcast_to(x, (2, h)).reshape(-1)
@@ -179,9 +182,10 @@ def _merge_many(evs: list, at: list) -> Evaluation:
 
 
 def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck, overlap: bool,
-              blas_tuning: bool | None, explain: bool, execution: Execution = AXOPLAN, walk: tuple = (None, True),
+              blas_tuning: bool | None, explain: bool, execution: Execution, walk: tuple, rules: tuple,
               known=()) -> Evaluation:
-    """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both."""
+    """ck broadcasts against the candidate arrays: c.checkpointing itself, or [[False], [True]] for both.
+    walk: (top, bound_all) as evaluate's top and bound_infeasible; rules: as _evaluate_paired's."""
     tuning = profile.blas_tuning if blas_tuning is None else blas_tuning
     S = job.seq_len
     e = profile.dtype_bytes
@@ -234,9 +238,10 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 
     # ---- feasibility, first failing rule wins -----------------------------------------------
     # then what the framework cannot express (execution.capability_masks), before memory
-    rules = _rules(model, job, c, execution)
-    reasons = [t for _, t in rules] + [MEMORY_REASON]
-    code = _rule_codes(rules + [(mem.total > limit, "")], np.broadcast(ck, gx).shape)
+    before, templates = rules
+    reasons = templates + [MEMORY_REASON]
+    code = np.where(before >= 0, before, np.where(mem.total > limit, len(templates), -1))
+    code = np.broadcast_to(code, np.broadcast(ck, gx, code).shape)
     feasible = code < 0
 
     # ---- time: the schedule's windows, walked through the pipeline's order where there is one ---------

@@ -221,12 +221,8 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
         cols["pp"].append(np.full(k, pp, dtype=np.int64))
         cols["vpp"].append(np.full(k, vpp, dtype=np.int64))
         cols["schedule"].append(np.full(k, sched, dtype=np.int8))
-    base = {f: np.concatenate(v) for f, v in cols.items()}
-    parts = [Candidates(**{f: v.copy() for f, v in base.items()}, checkpointing=np.full(len(base["gx"]), flag))
-             for flag in ck]
-    if len(parts) == 1:
-        return parts[0]
-    return Candidates(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in CANDIDATE_FIELDS})
+    base = {f: np.concatenate(v * len(ck)) for f, v in cols.items()}
+    return Candidates(**base, checkpointing=np.repeat(np.array(ck), len(base["gx"]) // len(ck)))
 
 
 # ---- divisibility: one rule set for planner and trainer -----------------------------------
