@@ -144,6 +144,11 @@ def test_resume_is_refused_on_another_grid(world_of_one, tmp_path):
                             "out": str(tmp_path), "grid": {"gdata": 2}})
     with pytest.raises(UserError, match="was written with grid 1x1x1x1, this config has 1x1x1x2"):
         check_config(cfg, 2)
+    # the same stage grid over two pipeline stages holds other shards: refused too
+    cfg = config_from_dict({"model": "gpt-tiny", "global_batch": 2, "seq_len": 16, "steps": 4, "resume": True,
+                            "out": str(tmp_path), "pp": 2})
+    with pytest.raises(UserError, match="was written with pp 1, this config has 2"):
+        check_config(cfg, 2)
     with pytest.raises(UserError, match="is at step 2 and the config's steps is 2: nothing left"):
         check_config(config_from_dict({"model": "gpt-tiny", "global_batch": 2, "seq_len": 16, "steps": 2,
                                        "timing_warmup_steps": 0, "resume": True, "out": str(tmp_path)}), 1)
@@ -171,7 +176,7 @@ def test_resumed_runs_equal_uninterrupted_ones_bit_for_bit(tmp_path):
     from axoplan.runtime import resumecheck
 
     results = resumecheck.run_world(4, folder=str(tmp_path))
-    assert [r["grid"] for r in results] == [list(g) for g in resumecheck.GRIDS]
+    assert [(r["grid"], r["pp"]) for r in results] == [(list(g), pp) for g, pp in resumecheck.CASES]
     for r in results:
         assert len(r["whole"]) == resumecheck.STEPS
         assert r["resumed"] == r["whole"], r["grid"]
@@ -181,3 +186,10 @@ def test_resumed_runs_equal_uninterrupted_ones_bit_for_bit(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "grid0" / "part" / "metrics.jsonl").read_text().splitlines()]
     starts = [r for r in recs if r["event"] == "start"]
     assert [s["resumed_from_step"] for s in starts] == [None, 3] and len({r["run_id"] for r in recs}) == 1
+    # a pipeline's checkpoint holds both stages' blocks (each stage's own keys), and its losses are real ones
+    from torch.distributed.checkpoint import FileSystemReader
+
+    i = next(i for i, (_, pp) in enumerate(resumecheck.CASES) if pp > 1)
+    keys = FileSystemReader(str(tmp_path / f"grid{i}" / "part" / "checkpoints" / "step_00000003")).read_metadata()
+    blocks = {k.split("/")[1].split(".")[1] for k in keys.state_dict_metadata if k.startswith("model/blocks.")}
+    assert blocks == {"0", "1"} and all(float.fromhex(loss) > 0 for _, loss, _ in results[i]["whole"])

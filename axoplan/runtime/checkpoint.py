@@ -56,17 +56,23 @@ def run_identity(cfg, seq_len: int) -> dict:
     """What must be equal for a checkpoint to continue this run: the same shards and the same batches."""
     g = cfg.grid
     return {"model": cfg.model, "grid": {"gx": g.gx, "gy": g.gy, "gz": g.gz, "gdata": g.gdata}, "order": cfg.order,
+            "pp": cfg.pp, "vpp": cfg.vpp, "schedule": cfg.schedule,
             "global_batch": cfg.global_batch, "seq_len": seq_len, "data": cfg.data, "seed": cfg.seed}
+
+
+# what a checkpoint written before the pipeline keys were recorded ran: no pipeline
+NO_PIPELINE = {"pp": 1, "vpp": 1, "schedule": "1f1b"}
 
 
 def check_resumable(meta: dict, cfg, seq_len: int, path: Path) -> None:
     """One sentence for a checkpoint this config cannot continue (before any process group exists)."""
     want = run_identity(cfg, seq_len)
     for key, v in want.items():
-        if meta.get(key) != v:
+        if meta.get(key, NO_PIPELINE.get(key)) != v:
             show = (lambda d: "x".join(str(d[k]) for k in ("gx", "gy", "gz", "gdata"))) if key == "grid" else str
-            raise UserError(f"checkpoint '{path}' was written with {key} {show(meta.get(key))}, this config has "
-                            f"{show(v)}: a run resumes only with the same model, grid, order, batch and data")
+            raise UserError(f"checkpoint '{path}' was written with {key} {show(meta.get(key, NO_PIPELINE.get(key)))}, "
+                            f"this config has "
+                            f"{show(v)}: a run resumes only with the same model, grid, order, pipeline, batch and data")
     if meta["step"] >= cfg.steps:
         raise UserError(f"checkpoint '{path}' is at step {meta['step']} and the config's steps is {cfg.steps}: "
                         f"nothing left to train (raise steps to continue)")
