@@ -315,3 +315,19 @@ def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers, b
         assert got["comp"][i] == pytest.approx(m[i] * comp + after[kinds[r]][1][i], rel=1e-12)
         assert got["colls"][i] == pytest.approx(m[i] * colls + after[kinds[r]][0][i] + 2 * m[i] * v_ * send[i],
                                                 rel=1e-12)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_explain_lists_the_slowest_ranks_collectives_and_they_add_up_to_its_comm(vpp):
+    """With a pipeline, explain's collectives are its slowest rank's (the batch time's): its stages' windows,
+    its once-per-step reduction and its transfers, summing to the summary's comm_s."""
+    ex = axoplan.explain("gpt-20b", "dgx-a100", 64, 256, (1, 8, 1, 2), pp=4, vpp=vpp,
+                         execution="megatron-core")
+    colls, s = ex.collectives, ex.summary
+    assert colls["total_s"].sum() == pytest.approx(s["comm_s"][0], rel=1e-9)
+    p2p = colls[colls["collective"] == "send/recv"]
+    m = 256 // (2 * int(s["micro_batch"][0]))
+    assert len(p2p) == 1 and int(p2p["calls_per_step"].iloc[0]) == 2 * m * vpp
+    assert (colls["phase"] == "step").any() and (colls["layer"] == "qkv").any()
+    crit = ex.detail["time"].critical_rank
+    assert any(f"collectives listed: pipeline rank {int(np.ravel(crit)[0])}'s" in n for n in ex.notes)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from axoplan import inputs
+from axoplan.planner import stage_timing
 from axoplan.planner.batch import Evaluation, evaluate
 from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
@@ -301,17 +302,26 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     ckpt = bool(one.checkpointing[0])
     g = sched.groups
     pipelined = bool(one.pp[0] > 1)
-    stage = None
-    if pipelined:
-        stage = (int(stage_blocks(m.n_layers, int(one.pp[0]), int(one.vpp[0]))[0]), True, False)
+    critical = int(np.ravel(st.critical_rank)[0]) if pipelined else 0
 
-    # every collective of the step, from the schedule the batch time was computed on
+    # every collective of the step, from the schedule the batch time was computed on; with a pipeline those
+    # of its slowest rank (whose end is the batch time): its virtual stages' windows, its gradient reduction
+    # and its point-to-point transfers
+    listed = (stage_timing.rank_collective_rows(p, sched, m, one, ex, job.seq_len, 0, ckpt, critical) if pipelined
+              else sched.collective_rows(0, ckpt))
     rows = [{"layer": cl.layer, "phase": cl.phase, "collective": cl.kind, "axis": cl.axis,
              "group_size": int(np.ravel(g.size[cl.axis])[0]), "stride": int(np.ravel(g.stride[cl.axis])[0]),
              "bytes": float(np.ravel(cl.nbytes)[0]), "busbw_gbs": float(np.ravel(g.busbw[cl.axis])[0]) / 1e9,
              "time_per_call_s": float(np.ravel(cl.seconds)[0]), "calls_per_step": calls,
              "total_s": float(np.ravel(cl.seconds)[0]) * calls}
-            for cl, calls in sched.collective_rows(0, ckpt, stage)]
+            for cl, calls in listed]
+    if pipelined:  # each micro-batch's send and receive at every virtual stage (the walk's transfers)
+        sends = 2 * ga * int(one.vpp[0])
+        sec = float(np.ravel(sched.p2p)[0])
+        rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
+                     "group_size": 2, "stride": int(np.ravel(g.stride["p"])[0]),
+                     "bytes": float(np.ravel(sched.p2p_bytes)[0]), "busbw_gbs": float("nan"),
+                     "time_per_call_s": sec, "calls_per_step": sends, "total_s": sec * sends})
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
 
@@ -342,7 +352,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                       f"the slowest pipeline rank is {int(np.ravel(st.critical_rank)[0])}: it waits "
                       f"{float(np.ravel(st.bubble)[0]):.4g} s for its inputs (bubble)",
                       f"memory: the job's is pipeline rank {mrank}'s ({'last' if mrank else 'first'} stage); "
-                      f"collectives listed: stage 0's windows"]
+                      f"collectives listed: pipeline rank {critical}'s (its stages' windows, its gradient "
+                      f"reduction and its transfers)"]
     else:
         step_notes = [(f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
                        f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s")]
