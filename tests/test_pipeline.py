@@ -331,3 +331,57 @@ def test_explain_lists_the_slowest_ranks_collectives_and_they_add_up_to_its_comm
     assert (colls["phase"] == "step").any() and (colls["layer"] == "qkv").any()
     crit = ex.detail["time"].critical_rank
     assert any(f"collectives listed: pipeline rank {int(np.ravel(crit)[0])}'s" in n for n in ex.notes)
+
+
+def test_ranks_sharing_cores_run_faster_while_others_wait_by_hand():
+    """Two pipeline ranks on one core (rates measured with both busy): alone a rank runs at twice the rate.
+    1F1B, m = 2, forward 1 s and backward 2 s as measured: s0 F0 alone 0-0.5; s0 F1 and s1 F0 together
+    0.5-1.5; s1 B0 alone 1.5-2.5; s0 B0 with s1 F1 2.5-3.5, with s1 B1 3.5-4.5; s1 B1's last half alone
+    4.5-5; s0 B1 alone 5-6."""
+    sec, send = np.array([[1.0], [1.0], [2.0], [2.0]]), np.zeros((2, 1))
+    f = P.sharing_factors(2, 2, 1)
+    assert f.tolist() == [0.5, 0.5, 1.0]
+    ends, ran = P.shared_rank_end_times("1f1b", 2, 1, 2, sec, send, f)
+    assert ends.ravel().tolist() == pytest.approx([6.0, 5.0]) and ran.ravel().tolist() == pytest.approx([4.5, 4.5])
+    assert P.rank_end_times("1f1b", 2, 1, 2, sec, send).ravel().tolist() == [9.0, 7.0]  # not sharing
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), pp=st.integers(2, 4), vpp=st.integers(1, 2), rounds=st.integers(1, 3))
+def test_sharing_nothing_is_the_walk(seed, pp, vpp, rounds):
+    """With every factor 1 (each rank its own device) the processor-sharing walk is the level walk."""
+    rng = np.random.default_rng(seed)
+    sched = "1f1b" if vpp == 1 else "interleaved-1f1b"
+    m, n = pp * rounds, 3
+    sec, send = rng.random((2 * pp * vpp, n)), 0.1 * rng.random((2, n))
+    ends, ran = P.shared_rank_end_times(sched, pp, vpp, m, sec, send, np.ones(pp + 1))
+    assert np.allclose(ends, P.rank_end_times(sched, pp, vpp, m, sec, send), rtol=1e-12, atol=1e-12)
+    per_rank = (sec[:pp * vpp] + sec[pp * vpp:]).reshape(vpp, pp, n).sum(axis=0) * m
+    assert np.allclose(ran, per_rank, rtol=1e-12)
+
+
+def test_a_cpu_profile_sharing_cores_ranks_pipelines_with_it(tmp_path):
+    """compute.shared_cores (cpu only) makes a pipelined candidate faster, never one without a pipeline; a gpu
+    profile with it is refused in one sentence."""
+    import dataclasses
+
+    import yaml
+
+    from axoplan.errors import UserError
+    from axoplan.planner.machine import load_profile
+
+    prof = load_profile("localhost-cpu")
+    assert prof.shared_cores == 2
+    alone = dataclasses.replace(prof, shared_cores=None)
+    a = axoplan.rank("gpt-tiny", prof, 4, 16, top=None).set_index(["gx", "gy", "gz", "gdata", "order", "micro_batch",
+                                                                    "checkpointing", "pp", "vpp", "schedule"])
+    b = axoplan.rank("gpt-tiny", alone, 4, 16, top=None).set_index(a.index.names)
+    b = b.loc[a.index]
+    piped = a.index.get_level_values("pp") > 1
+    assert (a["batch_time_s"][piped] < b["batch_time_s"][piped]).all()
+    assert np.array_equal(a["batch_time_s"][~piped].to_numpy(), b["batch_time_s"][~piped].to_numpy())
+    raw = yaml.safe_load(open("machine_profiles/dgx-a100.yaml"))
+    raw["compute"]["shared_cores"] = {"value": 8, "source": "test"}
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match="shared_cores' is a cpu profile's field"):
+        load_profile(str(tmp_path / "g.yaml"))

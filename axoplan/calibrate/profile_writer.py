@@ -333,6 +333,16 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
     return net, fit_rows, summary, coll_rows
 
 
+def _shared_cores(meta: dict, tag: str) -> dict | None:
+    """compute.shared_cores where the node's CPU ranks had more threads than cores: the rates above were
+    measured with all of them busy, so a rank that waits frees cores for the others (pipeline stages)."""
+    cores, ranks, threads = meta.get("cpu_count"), meta.get("ranks_per_node", 1), meta.get("threads_per_rank", 1)
+    if meta.get("cuda") or not cores or ranks * threads <= cores:
+        return None
+    return {"value": int(cores), "source": f"{tag}; os.cpu_count() of the host: {ranks} ranks x {threads} thread(s) "
+                                          f"on {cores} cores, every rate above measured with all ranks busy"}
+
+
 def _device_section(meta: dict, tag: str) -> dict:
     """What the profile was measured on, which validate, train and calibrate compare with where they run."""
     if meta.get("cuda"):
@@ -571,6 +581,9 @@ def _build(results: ResultsDir, name: str, table_name: str) -> Built:
             "source": "this calibration run",
         },
     }
+    shared = _shared_cores(meta, tag)
+    if shared:
+        profile["compute"]["shared_cores"] = shared
     summary = {**s1, **s2, **s3, **s4, "elapsed_s": meta.get("elapsed_s"), "peak_tflops": peak["value"]}
     built = Built(profile, table, fit_rows, summary, coll_rows, attn_rows)
     # a call timed at the floor means its burst reference was an outlier (a burst slowed by something

@@ -41,7 +41,7 @@ MEMORY_KEYS = {"source": TEXT, "capacity_gib": NUM, "headroom_gib": NUM, "bandwi
 GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "table": TABLE_KEYS}
 ATTENTION_KEYS = {"source": TEXT, "tflops": NUM, "causal_skip": FLAG, "backward_factor": NUM, "table": TABLE_KEYS,
                   "throughput": [{"seq": NUM, "head_dim": NUM, "fwd_tflops": NUM, "bwd_tflops": NUM, "source": TEXT}]}
-COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "gemm": GEMM_KEYS,
+COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "shared_cores": NUM, "gemm": GEMM_KEYS,
                 "attention": ATTENTION_KEYS,
                 "elementwise_kernels": FREE}  # refused by _no_framework_fields, with the reason
 INTRA_NODE_KEYS = {"source": TEXT, "latency_us": NUM, "table": TABLE_KEYS,
@@ -246,6 +246,9 @@ class MachineProfile:
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     device_count: int | None = None  # the device section's count: logical CPUs of the host, or GPUs per node
+    # cpu only: the cores a node's ranks share, its rates measured with every rank busy; a pipeline rank that
+    # waits frees its share (pipeline.shared_rank_end_times). None: each rank has its own device
+    shared_cores: int | None = None
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -941,6 +944,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         elementwise_efficiency=rd.num(mem, "elementwise_efficiency", "memory", default=1.0),
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
+        shared_cores=_shared_cores(comp, rd, _kind(d, rd)),
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
         gemm_dim_half=_dim_half(gemm, rd),
         attn_flops=rd.num(attn, "tflops", "compute.attention") * TFLOP,
@@ -961,6 +965,19 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         path=None,
         raw=d,
     )
+
+
+def _shared_cores(comp: dict, rd, kind: str) -> int | None:
+    """compute.shared_cores: only a cpu profile's ranks share cores (a GPU is its own rank's)."""
+    if "shared_cores" not in comp:
+        return None
+    if kind != "cpu":
+        rd.fail("compute.shared_cores", "is a cpu profile's field (ranks sharing cores); this profile's kind is "
+                f"{kind}")
+    v = rd.num(comp, "shared_cores", "compute")
+    if v != int(v):
+        rd.fail("compute.shared_cores", f"must be a whole number of cores, got {v:g}")
+    return int(v)
 
 
 def load_profile(name_or_path: str | MachineProfile) -> MachineProfile:

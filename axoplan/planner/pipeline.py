@@ -246,3 +246,80 @@ def peak_in_flight(schedule: str, pp: int, vpp: int, m: int) -> tuple:
         count = np.bincount(v[upto < V * m], minlength=V) - np.bincount(v[upto >= V * m], minlength=V)
         out.append(tuple(int(x) for x in count))
     return tuple(out)
+
+
+def sharing_factors(pp: int, ranks_on_node: int, cores: int) -> np.ndarray:
+    """[pp + 1]: the time of a calibrated second of work while k of the pp pipeline ranks compute, where the
+    node's ranks share `cores` and the profile's rates hold with all of them busy: each busy rank gets
+    min(1, cores / busy) of a core (one thread: at most one), busy = k of every pp ranks on the node."""
+    k = np.arange(pp + 1)
+    busy = np.maximum(k * ranks_on_node / pp, 1.0)
+    all_busy = min(1.0, cores / ranks_on_node)
+    return all_busy / np.minimum(1.0, cores / busy)
+
+
+def shared_rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray,
+                          factors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rank_end_times for ranks that share cores (MachineProfile.shared_cores): the same order and inputs, each
+    operation's seconds (as measured with every rank busy) run at factors[k] per second while k pipeline ranks
+    compute, k changing as ranks start and finish (processor sharing, an event at each). Walked in full (m per
+    candidate, or one), one candidate at a time (a cpu space is small). Returns ([pp, n] end times, [pp, n]
+    seconds each rank ran)."""
+    V = pp * vpp
+    n = seconds.shape[1]
+    ms = np.broadcast_to(np.asarray(m), (n,))
+    ends, ran = np.zeros((pp, n)), np.zeros((pp, n))
+    for j in range(n):
+        mj = int(ms[j])
+        ends[:, j], ran[:, j] = _shared_walk(rank_sequences(schedule, pp, vpp, mj), V, mj, seconds[:, j].tolist(),
+                                             [0.0, float(send[0, j]), float(send[1, j])], factors.tolist())
+    return ends, ran
+
+
+def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list) -> tuple[list, list]:
+    """One candidate's processor-sharing walk (shared_rank_end_times)."""
+    pp = len(seqs)
+    done: dict = {}  # operation id -> end time
+    ptr, rem, start = [0] * pp, [0.0] * pp, [None] * pp
+    ran, end = [0.0] * pp, [0.0] * pp
+    t = 0.0
+
+    def needs(o):  # (the operation o waits for, the transfer on it)
+        kind, v = o // (V * m), o % (V * m) // m
+        if kind == 0:
+            return (o - m, send[1]) if v > 0 else (None, 0.0)
+        return (o + m, send[2]) if v < V - 1 else (o - V * m, 0.0)
+
+    while True:
+        arrivals = []
+        for r in range(pp):  # start every rank whose next input has arrived
+            if start[r] is None and ptr[r] < len(seqs[r]):
+                o = int(seqs[r][ptr[r]])
+                d, lag = needs(o)
+                at = 0.0 if d is None else (done[d] + lag if d in done else None)
+                if at is not None and at <= t + 1e-15:
+                    kind, v = o // (V * m), o % (V * m) // m
+                    start[r], rem[r] = t, seconds[v + V * kind]
+                elif at is not None:
+                    arrivals.append(at)
+        busy = [r for r in range(pp) if start[r] is not None]
+        if not busy:
+            if not arrivals:
+                break
+            t = min(arrivals)
+            continue
+        f = factors[len(busy)]
+        step = min(rem[r] for r in busy) * f
+        if arrivals:
+            step = min(step, min(arrivals) - t)
+        t += step
+        for r in busy:
+            rem[r] -= step / f
+            if rem[r] <= 1e-12:
+                o = int(seqs[r][ptr[r]])
+                done[o] = t
+                ran[r] += t - start[r]
+                end[r] = t
+                start[r] = None
+                ptr[r] += 1
+    return end, ran

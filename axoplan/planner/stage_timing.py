@@ -19,7 +19,7 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import SCHEDULES, rank_end_times, stage_blocks, walked
+from axoplan.planner.pipeline import SCHEDULES, rank_end_times, shared_rank_end_times, sharing_factors, stage_blocks, walked
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
@@ -264,7 +264,14 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
         per_rank_work = per_rank(fwd_t + bwd_t)
         send = np.stack([sends[idx], sends[idx]])
-        ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
+        share = 1.0  # each rank's seconds run over its seconds as timed: below 1 where waiting ranks free cores
+        if shared is None:
+            ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
+        else:
+            world = int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0])
+            f = sharing_factors(p_, min(profile.gpus_per_node, world), shared)
+            ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f)
+            share = ran / np.maximum(mm * per_rank_work, 1e-300)
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
         finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
                                                                                         for k in kinds]]
@@ -277,14 +284,16 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         opt_c = np.choose(kind_idx, [after[k][1][idx] for k in KINDS])
         out["batch"][idx] = finish[rk, col]
         out["crit"][idx] = rk
-        out["bubble"][idx] = np.maximum(ends[rk, col] - mm * per_rank_work[rk, col], 0.0)
-        out["comp"][idx] = mm * per_rank_comp[rk, col] + opt_c
-        out["colls"][idx] = mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
+        sh = share[rk, col] if np.ndim(share) else share
+        out["bubble"][idx] = np.maximum(ends[rk, col] - sh * mm * per_rank_work[rk, col], 0.0)
+        out["comp"][idx] = sh * mm * per_rank_comp[rk, col] + opt_c
+        out["colls"][idx] = sh * mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
         exact[idx] = True
 
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
     overhead = profile.corrections.step_overhead_s
-    if walk is None:
+    shared = profile.shared_cores  # ranks sharing cores: their operations run faster while others wait
+    if walk is None or shared is not None:  # (so the closed-form bound is no bound there: every one walked)
         for gi, idx in enumerate(groups):
             group(gi, idx)
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
