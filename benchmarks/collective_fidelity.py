@@ -25,9 +25,11 @@ Both fits minimise the mean absolute log error: the sweeps are means of 20 calls
 10x their neighbours (the Frontier logs), which a squared loss lets decide the fit.
 Each machine's error is printed as the mean over its curves (the target) and the median over its rows.
 --rows prints every judged row with pred/meas for each prediction; --diagnose, per curve, the median
-pred/meas at 1-16 MiB (latency-bound) and at 256 MiB and more (bandwidth-bound) for 'nccl' and 'own'.
+pred/meas at 1-16 MiB (latency-bound) and at 256 MiB and more (bandwidth-bound) for 'nccl' and 'own';
+--steady judges only the steady state, leaving out (and listing) every call slower than STALL x a larger
+message's call on its curve (the target is stated over all rows; this shows how much the stalls weigh).
 
-    python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--fit-latency MACHINE]
+    python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--steady] [--fit-latency MACHINE]
 """
 from __future__ import annotations
 
@@ -97,6 +99,23 @@ def load_rows() -> list[dict]:
 
 def judged(rows: list[dict]) -> list[dict]:
     return [r for r in rows if LO <= float(r["bytes"]) <= HI and NODES[0] <= int(r["nodes"]) <= NODES[1]]
+
+
+# a call slower than this many times a larger message's call on the same curve is a stall, not the steady
+# state a per-call model describes (a larger message cannot take less time: the Frontier logs hold 1-4 MiB
+# all-gathers of 6.5-7.2 ms beside 8 MiB at 0.57 ms, means of 20 calls after only 5 warm-up calls)
+STALL = 1.25
+
+
+def stalls(rows: list[dict]) -> set:
+    """(curve, bytes) of every row slower than STALL x the fastest call of a larger message on its curve."""
+    out = set()
+    for c in {r["curve"] for r in rows}:
+        pts = sorted((float(r["bytes"]), float(r["time_us"])) for r in rows if r["curve"] == c)
+        for i, (b, t) in enumerate(pts):
+            if any(t > STALL * t2 for _, t2 in pts[i + 1:]):
+                out.add((c, b))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,8 +229,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", action="store_true", help="print every judged row")
     ap.add_argument("--diagnose", action="store_true", help="per curve: median pred/meas at small and large sizes")
     ap.add_argument("--fit-latency", metavar="MACHINE", help="fit network.protocols.latency_scale to one machine")
+    ap.add_argument("--steady", action="store_true",
+                    help=f"judge only the steady state: leave out every call slower than {STALL} x a larger "
+                         "message's on its curve (listed)")
     args = ap.parse_args(argv)
     rows = judged(load_rows())
+    if args.steady:
+        out = stalls(rows)
+        print(f"left out as stalls (slower than {STALL} x a larger message's call on the same curve): {len(out)} "
+              f"of {len(rows)} rows")
+        for c, b in sorted(out):
+            print(f"    {c:34s} {b:>11.0f} B")
+        rows = [r for r in rows if (r["curve"], float(r["bytes"])) not in out]
     machines = sorted({r["machine"] for r in rows})
     if args.fit_latency:
         mine = [r for r in rows if r["machine"] == args.fit_latency]
