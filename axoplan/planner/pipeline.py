@@ -258,6 +258,12 @@ def sharing_factors(pp: int, ranks_on_node: int, cores: int) -> np.ndarray:
     return all_busy / np.minimum(1.0, cores / busy)
 
 
+def fastest_sharing_factor(pp, ranks_on_node: int, cores: int) -> np.ndarray:
+    """The smallest of sharing_factors (one stage computing), per pp: what bounds a sharing walk below."""
+    busy = np.maximum(ranks_on_node / np.asarray(pp, dtype=np.float64), 1.0)
+    return min(1.0, cores / ranks_on_node) / np.minimum(1.0, cores / busy)
+
+
 def shared_rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray,
                           factors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """rank_end_times for ranks that share cores (MachineProfile.shared_cores): the same order and inputs, each

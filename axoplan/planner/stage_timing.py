@@ -19,7 +19,8 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import SCHEDULES, rank_end_times, shared_rank_end_times, sharing_factors, stage_blocks, walked
+from axoplan.planner.pipeline import (SCHEDULES, fastest_sharing_factor, rank_end_times, shared_rank_end_times,
+                                      sharing_factors, stage_blocks, walked)
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
@@ -293,7 +294,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
     overhead = profile.corrections.step_overhead_s
     shared = profile.shared_cores  # ranks sharing cores: their operations run faster while others wait
-    if walk is None or shared is not None:  # (so the closed-form bound is no bound there: every one walked)
+    if walk is None:
         for gi, idx in enumerate(groups):
             group(gi, idx)
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
@@ -312,6 +313,11 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.nan
                 out[k][at] = v
+        if shared is not None:  # every second at most as fast as with one stage computing: still a bound
+            world = int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0])
+            fastest = fastest_sharing_factor(pp, min(profile.gpus_per_node, world), shared)
+            for k in ("batch", "comp", "colls", "bubble"):
+                out[k] *= fastest
         todo = walk.first(out["batch"] + overhead)
         for round_ in range(2):
             for gi, idx in enumerate(groups):
