@@ -320,6 +320,8 @@ def machine_profiles() -> dict:
         kw = {}
         if "inter_busbw_gbs" in d:
             kw["inter_busbw"] = d["inter_busbw_gbs"]["value"] * GB
+        if "ring_busbw_gbs" in d:
+            kw["inter_ring_busbw"] = d["ring_busbw_gbs"]["value"] * GB
         if "capacity_gib" in d:
             kw["mem_capacity"] = d["capacity_gib"]["value"] * GIB
         if "headroom_gib" in d:
