@@ -124,7 +124,8 @@ class Execution:
     pipeline_buffers: str = "per-micro-batch"
     # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
     # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
-    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py)
+    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py), and
+    # each is added into its fp32 gradient through an fp32 copy of it, one parameter at a time (update_hp_grads)
     low_precision_grads_kept: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"

@@ -355,6 +355,15 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # a forward after a backward (the next micro-batch's; a pipeline's steady state, every forward in flight
         # saved) while that backward's compute-dtype gradients are still kept: the end of its last block's forward
         lp_grads = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) * e
+        # between that backward and the next forward each compute-dtype gradient is added into the fp32 one through
+        # an fp32 copy of it, one parameter at a time (DeepSpeed bf16_optimizer.py update_hp_grads:
+        # hp_grad.add_(lp.grad.to(hp_grad.dtype)), @15293139f 2022-02-28): the largest parameter's copy, the
+        # other micro-batches' saved activations live (the next forward's not yet)
+        largest = np.maximum.reduce([np.asarray(b, dtype=np.float64) for b in block_elems]
+                                    + [np.asarray(emb_elems, dtype=np.float64) * embedding,
+                                       np.asarray(lm_elems, dtype=np.float64) * head])
+        moment("fp32 accumulation after a backward", kept[0] * pre, lp_grads, np.maximum(live - L, 0.0) * one_block,
+               transients=FP32 * largest)
         moment("forward after a backward", kept[-1] + kept[0] * pre, lp_grads, live * one_block,
                transients=np.where(ck, T * (f1 * e + act_out), 0.0))
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
