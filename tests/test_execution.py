@@ -458,6 +458,11 @@ def test_sharded_gradients_all_reduced_whole():
     assert (s.step[1].kind, s.step[1].layer, float(s.step[1].nbytes[0])) == ("all_gather", "weights", shard * 2)
     rs, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, sharded_gradient_all_reduce=False))
     assert float(s.step[0].seconds[0]) > float(rs.step[0].seconds[0])
+    # DeepSpeed's allreduce_bucket under bf16 without ZeRO: through a bf16 copy of the fp32 gradients
+    bf, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, data_parallel_reduce="compute-copy"))
+    assert float(bf.step[0].nbytes[0]) == shard * 2 and float(bf.step[0].seconds[0]) < float(s.step[0].seconds[0])
+    with pytest.raises(UserError, match="data_parallel_reduce must be one of fp32, compute-copy"):
+        load_execution(dataclasses.replace(ex, data_parallel_reduce="bf16"))
 
 
 def test_tp_backward_all_reduce_without_overlap_blocks():

@@ -158,6 +158,18 @@ def test_kept_low_precision_gradients_peak_in_the_next_forward_by_hand():
     assert "fp32 accumulation after a backward" not in base
 
 
+def test_gradient_reduction_through_a_compute_dtype_copy_by_hand():
+    """DeepSpeed's allreduce_bucket with communication_data_type bf16: after the last backward the fp32 gradients
+    (in the states) and their bf16 copy (1000 shard elements x 2 B), beside the kept bf16 gradients where the
+    BF16_Optimizer keeps them ((1000 + 200) x 2 B); no such moment with fp32 reduction."""
+    copy = dataclasses.replace(AXOPLAN, data_parallel_reduce="compute-copy")
+    mo = _moments(execution=copy)["gradient reduction"]
+    assert float(mo["transients"]) == pytest.approx(1000 * 2) and float(mo["gradients"]) == 0.0
+    both = _moments(execution=dataclasses.replace(copy, low_precision_grads_kept=True))["gradient reduction"]
+    assert float(both["gradients"]) == pytest.approx((1000 + 200) * 2)
+    assert "gradient reduction" not in _moments()
+
+
 def test_the_swiglu_backward_holds_three_ffn_gradients_by_hand():
     """SwiGLU's product silu(gate) * up, backward: fc2's input is freed, silu(gate) stays saved beside fc1's
     output, and fc2's dI with the two gradients it makes are live ([T, ffn] each); GELU has no such moment."""

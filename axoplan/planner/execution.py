@@ -30,6 +30,7 @@ RECOMPUTE = ("full", "op-selective", "attention-core")
 ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
+DATA_PARALLEL_REDUCE = ("fp32", "compute-copy")
 GRADIENT_ACCUMULATION = ("fp32", "fused", "compute")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 PIPELINE = ("none", "1f1b", "interleaved")
@@ -122,6 +123,11 @@ class Execution:
     # and each forward's output kept until its backward; per-transfer: each receive allocated as it arrives (the
     # stage's input), each output freed once sent (Megatron's p2p_communication and deallocate_output_tensor)
     pipeline_buffers: str = "per-micro-batch"
+    # how the D gradient reduction carries the fp32 gradients: fp32 (the trainer), or compute-copy: each bucket cast
+    # into a compute-dtype copy, all-reduced in it and copied back (DeepSpeed engine.allreduce_bucket with
+    # communication_data_type bf16, its default under bf16 without ZeRO: BLOOM's _bf16_reduce_grads), the copy
+    # live beside the fp32 gradients
+    data_parallel_reduce: str = "fp32"
     # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
     # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
     # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py), and
@@ -317,6 +323,7 @@ PRESETS = {
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE,
+           "data_parallel_reduce": DATA_PARALLEL_REDUCE,
            "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE, "pipeline_buffers": PIPELINE_BUFFERS}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "

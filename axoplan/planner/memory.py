@@ -387,6 +387,15 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the other micro-batches in flight keep their blocks' saved activations through it
     others = np.asarray(others_blocks, dtype=np.float64) * one_block
     walk(backward.suffix, "", lambda live: others, 0.0, {}, False, cache(0))
+    if execution.data_parallel_reduce == "compute-copy":
+        # the D reduction after the last backward: the fp32 gradients' compute-dtype copy (DeepSpeed
+        # engine.allreduce_bucket: tensor.to(communication_data_type), @15293139f 2022-02-28; one bucket per flat
+        # group of 500M+ elements, a large rank's weights one) beside them, and the last backward's compute-dtype
+        # gradients where the execution keeps them
+        kept_lp = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
+            * e * execution.low_precision_grads_kept
+        moment("gradient reduction", 0.0, kept_lp, 0.0, transients=np.asarray(shard_elements, dtype=np.float64) * e,
+               in_step=False)
     moment("optimizer step", 0.0, 0.0, 0.0, in_step=False)
 
     return moments
