@@ -517,3 +517,8 @@ def test_gradient_accumulation_by_hand():
     assert PRESETS["megatron-lm"].gradient_accumulation == PRESETS["megatron-core"].gradient_accumulation == "fused"
     with pytest.raises(UserError):
         load_execution(Execution(gradient_accumulation="bf16"))
+    # what persists per weight element: summed in bf16 the gradient is bf16 (2 B), else fp32 (4 B); here beside the
+    # bf16 copy (2 B) and the fp32 master and moments split over 4 D ranks (12 / 4 B)
+    zero1 = Execution(weights="low-precision-copy", optimizer_sharding="data-parallel")
+    assert float(dataclasses.replace(zero1, gradient_accumulation="compute").state_bytes(4, 2)) == 2 + 2 + 3
+    assert float(zero1.state_bytes(4, 2)) == float(dataclasses.replace(zero1, gradient_accumulation="fused").state_bytes(4, 2)) == 2 + 4 + 3

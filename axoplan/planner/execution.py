@@ -205,12 +205,14 @@ class Execution:
 
     def state_bytes(self, gdata, dtype_bytes: int = 2):
         """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
-        compute-dtype copy), the fp32 gradient, and the optimizer's fp32 states (AdamW's two moments, and the
-        fp32 master where the weight is a half-precision copy), split over D with optimizer sharding."""
+        compute-dtype copy), the gradient (fp32; in the compute dtype where the micro-batches' gradients are
+        summed in it, gradient_accumulation 'compute'), and the optimizer's fp32 states (AdamW's two moments, and
+        the fp32 master where the weight is a half-precision copy), split over D with optimizer sharding."""
         copy = self.weights == "low-precision-copy" and dtype_bytes != 4
         optimizer = 8 + (4 if copy else 0)
         split = np.asarray(gdata, dtype=np.float64) if self.optimizer_sharding == "data-parallel" else 1.0
-        return (dtype_bytes if copy else 4) + 4 + optimizer / split
+        grad = dtype_bytes if self.gradient_accumulation == "compute" else 4
+        return (dtype_bytes if copy else 4) + grad + optimizer / split
 
 
 AXOPLAN = Execution(pipeline="interleaved")
