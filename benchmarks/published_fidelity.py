@@ -87,16 +87,20 @@ MEGATRON_DEEPSPEED = dataclasses.replace(
 # slurm's "own zero stage 1 equivalent" (ZERO_STAGE=0): each micro-batch's gradients added into fp32 ones
 # (update_hp_grads after every backward), and in the pipeline engine its fp32 gradients are all-reduced
 # over D (deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads: buffered_allreduce_fallback
-# over the optimizer's fp32 gradients), each rank steps its partition, the bf16 weights are all-gathered
+# over the optimizer's fp32 gradients, each bucket through a bf16 copy: engine.py allreduce_bucket casts to
+# communication_data_type, bf16 under bf16 with ZeRO stage 0), each rank steps its partition, the bf16 weights
+# are all-gathered
 MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
-    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True,
+    MEGATRON_DEEPSPEED, sharded_gradient_all_reduce=True, data_parallel_reduce="compute-copy",
     gradient_accumulation="fp32", low_precision_grads_kept=True,
     source=MEGATRON_DEEPSPEED.source + "; DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added "
                                        "into its fp32 ones (pipe/engine.py _exec_backward_pass: update_hp_grads), "
                                        "fp32 gradients all-reduced over D (_bf16_reduce_grads), the partitioned step; each backward's "
                                        "bf16 gradients kept beside the fp32 ones until the next backward starts "
                                        "(bf16_optimizer.py: update_hp_grads(clear_lp_grads=False), clear_lp_grads() "
-                                       "before the next)")
+                                       "before the next); the fp32 gradients all-reduced through a bf16 copy of each "
+                                       "bucket (engine.py allreduce_bucket: communication_data_type is bf16 under bf16 "
+                                       "with ZeRO stage 0, the slurm's ZERO_STAGE=0; DeepSpeed @15293139f)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -320,6 +324,8 @@ def machine_profiles() -> dict:
         kw = {}
         if "inter_busbw_gbs" in d:
             kw["inter_busbw"] = d["inter_busbw_gbs"]["value"] * GB
+        if "ring_busbw_gbs" in d:
+            kw["inter_ring_busbw"] = d["ring_busbw_gbs"]["value"] * GB
         if "capacity_gib" in d:
             kw["mem_capacity"] = d["capacity_gib"]["value"] * GIB
         if "headroom_gib" in d:

@@ -69,6 +69,20 @@ def test_groups_leaving_a_node_at_once_share_its_nics():
     assert t == pytest.approx([(lat + 7e8 / bw / US) * US for lat, bw in ((42, 80e9), (54, 40e9), (78, 20e9))])
 
 
+def test_one_ring_is_capped_at_ring_busbw():
+    """inter_node.ring_busbw_gbs (Jean Zay's NCCL: one NIC per direction per ring): 30 GB/s caps a ring that
+    would get the node's 80 or 40 GB/s (1 or 2 rings leaving), not one already below it (4 rings: 20); the
+    same cap on a lone point-to-point send (Simple 8 + 10 us); without the key the share alone."""
+    d = profile_dict()
+    d["network"]["protocols"] = PROTOCOLS
+    d["network"]["inter_node"]["ring_busbw_gbs"] = 30
+    p = profile_from_dict(d, "test profile")
+    assert p.group_busbw(np.array([8, 8, 8]), np.array([1, 2, 4])) == pytest.approx([30e9, 30e9, 20e9])
+    assert p.group_busbw(np.array([4]), np.array([1]))[0] == prof().group_busbw(np.array([4]), np.array([1]))[0]
+    assert C.p2p_seconds(p, 1e6, True) == pytest.approx((18 + 1e6 / 30e9 / US) * US)
+    assert prof().inter_ring_busbw == float("inf")
+
+
 def test_place_uses_the_protocol_model_only_across_nodes():
     p = prof()
     flat = prof(None)

@@ -458,6 +458,11 @@ def test_sharded_gradients_all_reduced_whole():
     assert (s.step[1].kind, s.step[1].layer, float(s.step[1].nbytes[0])) == ("all_gather", "weights", shard * 2)
     rs, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, sharded_gradient_all_reduce=False))
     assert float(s.step[0].seconds[0]) > float(rs.step[0].seconds[0])
+    # DeepSpeed's allreduce_bucket under bf16 without ZeRO: through a bf16 copy of the fp32 gradients
+    bf, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, data_parallel_reduce="compute-copy"))
+    assert float(bf.step[0].nbytes[0]) == shard * 2 and float(bf.step[0].seconds[0]) < float(s.step[0].seconds[0])
+    with pytest.raises(UserError, match="data_parallel_reduce must be one of fp32, compute-copy"):
+        load_execution(dataclasses.replace(ex, data_parallel_reduce="bf16"))
 
 
 def test_tp_backward_all_reduce_without_overlap_blocks():
@@ -512,3 +517,8 @@ def test_gradient_accumulation_by_hand():
     assert PRESETS["megatron-lm"].gradient_accumulation == PRESETS["megatron-core"].gradient_accumulation == "fused"
     with pytest.raises(UserError):
         load_execution(Execution(gradient_accumulation="bf16"))
+    # what persists per weight element: summed in bf16 the gradient is bf16 (2 B), else fp32 (4 B); here beside the
+    # bf16 copy (2 B) and the fp32 master and moments split over 4 D ranks (12 / 4 B)
+    zero1 = Execution(weights="low-precision-copy", optimizer_sharding="data-parallel")
+    assert float(dataclasses.replace(zero1, gradient_accumulation="compute").state_bytes(4, 2)) == 2 + 2 + 3
+    assert float(zero1.state_bytes(4, 2)) == float(dataclasses.replace(zero1, gradient_accumulation="fused").state_bytes(4, 2)) == 2 + 4 + 3

@@ -149,6 +149,25 @@ def test_kept_low_precision_gradients_peak_in_the_next_forward_by_hand():
     one_block = base["backward last block fc2"]["activations"] - base["backward block before it fc2"]["activations"]
     assert float(mo["activations"]) == pytest.approx(2 * one_block)  # both blocks of the one micro-batch
     assert all(np.array_equal(np.asarray(base[k]["gradients"]), np.asarray(m[k]["gradients"])) for k in base)
+    # before that forward the BF16_Optimizer adds each bf16 gradient into its fp32 one through an fp32 copy: the
+    # largest parameter's (the 256 x 64 embedding and LM head, 64 x 256 fc1 and fc2: 16384 x 4 B) beside the kept
+    # gradients; this one micro-batch's blocks are done, so nothing saved
+    acc = m["fp32 accumulation after a backward"]
+    assert float(acc["transients"]) == pytest.approx(16384 * 4)
+    assert float(acc["gradients"]) == pytest.approx((1000 + 200) * 2) and float(acc["activations"]) == 0.0
+    assert "fp32 accumulation after a backward" not in base
+
+
+def test_gradient_reduction_through_a_compute_dtype_copy_by_hand():
+    """DeepSpeed's allreduce_bucket with communication_data_type bf16: after the last backward the fp32 gradients
+    (in the states) and their bf16 copy (1000 shard elements x 2 B), beside the kept bf16 gradients where the
+    BF16_Optimizer keeps them ((1000 + 200) x 2 B); no such moment with fp32 reduction."""
+    copy = dataclasses.replace(AXOPLAN, data_parallel_reduce="compute-copy")
+    mo = _moments(execution=copy)["gradient reduction"]
+    assert float(mo["transients"]) == pytest.approx(1000 * 2) and float(mo["gradients"]) == 0.0
+    both = _moments(execution=dataclasses.replace(copy, low_precision_grads_kept=True))["gradient reduction"]
+    assert float(both["gradients"]) == pytest.approx((1000 + 200) * 2)
+    assert "gradient reduction" not in _moments()
 
 
 def test_the_swiglu_backward_holds_three_ffn_gradients_by_hand():

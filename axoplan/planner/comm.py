@@ -144,7 +144,8 @@ def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_no
     vectorised. Inside a node: the 2-GPU group's bus bandwidth and one intra-node step (plus NCCL's base
     latency where the profile takes NCCL's latency model). Across nodes: the node's inter-node bandwidth
     shared by the `concurrent_per_node` pairs that leave it at once (as group_busbw shares it among groups;
-    a lone pair is credited the node's NICs, an upper bound: NCCL spreads a send over channels); with
+    a lone pair is credited the node's NICs, an upper bound: NCCL spreads a send over channels), and at most
+    what one ring carries across a node boundary (inter_node.ring_busbw_gbs, where the profile sets it); with
     network.protocols the fastest protocol's base + one network step + bytes over its bandwidth."""
     nb = np.asarray(nbytes, dtype=np.float64)
     cross = np.asarray(crosses_node, dtype=bool)
@@ -153,7 +154,7 @@ def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_no
     lat_c = corr.latency_scale
     base = profile.physics.base_latency if profile.physics.latency_model == "nccl" else 0.0
     intra = (base + profile.intra_latency) * lat_c + nb / (profile.intra_busbw(2, 1) * corr.intra_bw_scale)
-    bw = profile.inter_busbw * corr.inter_bw_scale / conc
+    bw = np.minimum(profile.inter_busbw / conc, profile.inter_ring_busbw) * corr.inter_bw_scale
     pr = profile.physics.protocols
     if pr is None:
         inter = (base + profile.inter_latency) * lat_c + nb / bw
@@ -477,11 +478,13 @@ def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_ele
     (phase 'next forward' where it overlaps the next step's first forward)."""
     sharded = execution.optimizer_sharding == "data-parallel"
     kind = "reduce_scatter" if sharded and not execution.sharded_gradient_all_reduce else "all_reduce"
+    # the execution's D reduction dtype: fp32, or a compute-dtype copy of the fp32 gradients (DeepSpeed's bf16)
+    gb = dtype_bytes if execution.data_parallel_reduce == "compute-copy" else FP32
     if buckets is None:
-        grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", kind, "d", shard_elements * FP32),
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", kind, "d", shard_elements * gb),
                                      after="backward_first")]
     else:
-        grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", kind, "d", elems * FP32),
+        grads = [dataclasses.replace(_coll(profile, g, "gradients", "bwd", kind, "d", elems * gb),
                                      calls=calls, after="backward") for _, elems, calls in buckets]
     if sharded:
         phase = "next forward" if execution.overlap_param_gather else "step"

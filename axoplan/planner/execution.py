@@ -30,6 +30,7 @@ RECOMPUTE = ("full", "op-selective", "attention-core")
 ATTENTION = ("flash", "unfused")
 ELEMENTWISE_KERNELS = ("eager", "fused")
 GRADIENT_REDUCE = ("compute", "fp32")
+DATA_PARALLEL_REDUCE = ("fp32", "compute-copy")
 GRADIENT_ACCUMULATION = ("fp32", "fused", "compute")
 OPTIMIZER_SHARDING = ("none", "data-parallel")
 PIPELINE = ("none", "1f1b", "interleaved")
@@ -122,9 +123,15 @@ class Execution:
     # and each forward's output kept until its backward; per-transfer: each receive allocated as it arrives (the
     # stage's input), each output freed once sent (Megatron's p2p_communication and deallocate_output_tensor)
     pipeline_buffers: str = "per-micro-batch"
+    # how the D gradient reduction carries the fp32 gradients: fp32 (the trainer), or compute-copy: each bucket cast
+    # into a compute-dtype copy, all-reduced in it and copied back (DeepSpeed engine.allreduce_bucket with
+    # communication_data_type bf16, its default under bf16 without ZeRO: BLOOM's _bf16_reduce_grads), the copy
+    # live beside the fp32 gradients
+    data_parallel_reduce: str = "fp32"
     # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
     # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
-    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py)
+    # each backward, clear_lp_grads() before the next; deepspeed/runtime/bf16_optimizer.py, pipe/engine.py), and
+    # each is added into its fp32 gradient through an fp32 copy of it, one parameter at a time (update_hp_grads)
     low_precision_grads_kept: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
@@ -198,12 +205,14 @@ class Execution:
 
     def state_bytes(self, gdata, dtype_bytes: int = 2):
         """Bytes per weight-shard element of what persists through the step: the weight (fp32, or its
-        compute-dtype copy), the fp32 gradient, and the optimizer's fp32 states (AdamW's two moments, and the
-        fp32 master where the weight is a half-precision copy), split over D with optimizer sharding."""
+        compute-dtype copy), the gradient (fp32; in the compute dtype where the micro-batches' gradients are
+        summed in it, gradient_accumulation 'compute'), and the optimizer's fp32 states (AdamW's two moments, and
+        the fp32 master where the weight is a half-precision copy), split over D with optimizer sharding."""
         copy = self.weights == "low-precision-copy" and dtype_bytes != 4
         optimizer = 8 + (4 if copy else 0)
         split = np.asarray(gdata, dtype=np.float64) if self.optimizer_sharding == "data-parallel" else 1.0
-        return (dtype_bytes if copy else 4) + 4 + optimizer / split
+        grad = dtype_bytes if self.gradient_accumulation == "compute" else 4
+        return (dtype_bytes if copy else 4) + grad + optimizer / split
 
 
 AXOPLAN = Execution(pipeline="interleaved")
@@ -316,6 +325,7 @@ PRESETS = {
 
 CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elementwise_kernels": ELEMENTWISE_KERNELS,
            "loss_kernel": ELEMENTWISE_KERNELS, "gradient_reduce": GRADIENT_REDUCE,
+           "data_parallel_reduce": DATA_PARALLEL_REDUCE,
            "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE, "pipeline_buffers": PIPELINE_BUFFERS}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "

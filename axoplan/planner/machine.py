@@ -46,7 +46,7 @@ COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "
                 "elementwise_kernels": FREE}  # refused by _no_framework_fields, with the reason
 INTRA_NODE_KEYS = {"source": TEXT, "latency_us": NUM, "table": TABLE_KEYS,
                    "groups": [{"size": NUM, "stride": NUM, "busbw_gbs": NUM, "source": TEXT}]}
-INTER_NODE_KEYS = {"source": TEXT, "busbw_gbs": NUM, "latency_us": NUM}
+INTER_NODE_KEYS = {"source": TEXT, "busbw_gbs": NUM, "latency_us": NUM, "ring_busbw_gbs": NUM}
 COLLECTIVE_SCALE_KEYS = {"bandwidth_scale": NUM, "latency_scale": NUM, "source": TEXT}
 COLLECTIVES_KEYS = {"source": TEXT, "all_gather": COLLECTIVE_SCALE_KEYS, "reduce_scatter": COLLECTIVE_SCALE_KEYS,
                     "all_reduce": COLLECTIVE_SCALE_KEYS}
@@ -249,6 +249,9 @@ class MachineProfile:
     # cpu only: the cores a node's ranks share, its rates measured with every rank busy; a pipeline rank that
     # waits frees its share (pipeline.shared_rank_end_times). None: each rank has its own device
     shared_cores: int | None = None
+    # bytes/s one ring (one communicator's channels) can carry across a node boundary, however few rings share
+    # the node's NICs (network.inter_node.ring_busbw_gbs; inf: only the node's share, busbw / rings, bounds it)
+    inter_ring_busbw: float = float("inf")
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -318,7 +321,8 @@ class MachineProfile:
         inside = self.group_inside(size, stride)
         out = np.empty(np.broadcast(size, stride).shape, dtype=np.float64)
         size_b, stride_b = np.broadcast_arrays(size, stride)
-        inter = self.inter_busbw * self.corrections.inter_bw_scale / np.minimum(stride_b, n)
+        scale = self.corrections.inter_bw_scale
+        inter = np.minimum(self.inter_busbw * scale / np.minimum(stride_b, n), self.inter_ring_busbw * scale)
         out[...] = inter
         if np.any(inside):
             # one table lookup per distinct (size, stride) inside a node, not per candidate or per node size
@@ -954,6 +958,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         intra_groups=tuple(parsed_groups),
         inter_busbw=rd.num(inter, "busbw_gbs", "network.inter_node") * GB,
         inter_latency=rd.num(inter, "latency_us", "network.inter_node", allow_zero=True) * US,
+        inter_ring_busbw=rd.num(inter, "ring_busbw_gbs", "network.inter_node", default=float("inf")) * GB,
         coll_bw_scale=bw_scale,
         coll_lat_scale=lat_scale,
         corrections=corrections,

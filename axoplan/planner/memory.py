@@ -355,6 +355,15 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # a forward after a backward (the next micro-batch's; a pipeline's steady state, every forward in flight
         # saved) while that backward's compute-dtype gradients are still kept: the end of its last block's forward
         lp_grads = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) * e
+        # between that backward and the next forward each compute-dtype gradient is added into the fp32 one through
+        # an fp32 copy of it, one parameter at a time (DeepSpeed bf16_optimizer.py update_hp_grads:
+        # hp_grad.add_(lp.grad.to(hp_grad.dtype)), @15293139f 2022-02-28): the largest parameter's copy, the
+        # other micro-batches' saved activations live (the next forward's not yet)
+        largest = np.maximum.reduce([np.asarray(b, dtype=np.float64) for b in block_elems]
+                                    + [np.asarray(emb_elems, dtype=np.float64) * embedding,
+                                       np.asarray(lm_elems, dtype=np.float64) * head])
+        moment("fp32 accumulation after a backward", kept[0] * pre, lp_grads, np.maximum(live - L, 0.0) * one_block,
+               transients=FP32 * largest)
         moment("forward after a backward", kept[-1] + kept[0] * pre, lp_grads, live * one_block,
                transients=np.where(ck, T * (f1 * e + act_out), 0.0))
     walk(forward.suffix + backward.prefix, "", lambda live: stack - Ts * hx * e + sum(live.values()), first,
@@ -378,6 +387,15 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     # the other micro-batches in flight keep their blocks' saved activations through it
     others = np.asarray(others_blocks, dtype=np.float64) * one_block
     walk(backward.suffix, "", lambda live: others, 0.0, {}, False, cache(0))
+    if execution.data_parallel_reduce == "compute-copy":
+        # the D reduction after the last backward: the fp32 gradients' compute-dtype copy (DeepSpeed
+        # engine.allreduce_bucket: tensor.to(communication_data_type), @15293139f 2022-02-28; one bucket per flat
+        # group of 500M+ elements, a large rank's weights one) beside them, and the last backward's compute-dtype
+        # gradients where the execution keeps them
+        kept_lp = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
+            * e * execution.low_precision_grads_kept
+        moment("gradient reduction", 0.0, kept_lp, 0.0, transients=np.asarray(shard_elements, dtype=np.float64) * e,
+               in_step=False)
     moment("optimizer step", 0.0, 0.0, 0.0, in_step=False)
 
     return moments
