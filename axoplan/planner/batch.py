@@ -96,18 +96,20 @@ def _parts(model, profile, job, c, overlap, blas_tuning, explain, execution, wal
                 known = np.partition(known, top - 1)[:top] if len(known) > top else known
     if excluded.any():
         at = rows[excluded]
-        parts.append((at, _excluded(model, job, c.take(at), code[at], execution, parts[0][1] if parts else None,
-                                    profile)))
+        parts.append((at, _excluded(model, job, c.take(at), code[at], templates, execution,
+                                    parts[0][1] if parts else None, profile)))
     return parts
 
 
 def _chunks(c: Candidates, explain: bool) -> list:
     """Rows of c in chunks of CHUNK candidates (of CHUNK pairs where the second half is the first with
     checkpointing on, so that each chunk is evaluated once over both)."""
-    pairs = not explain and _paired(c)
+    if explain:
+        return [np.arange(len(c))]
+    pairs = _paired(c)
     n = len(c) // 2 if pairs else len(c)
     size = CHUNK if pairs else 2 * CHUNK
-    if explain or n <= size:
+    if n <= size:
         return [np.arange(len(c))]
     out = []
     for lo in range(0, n, size):
@@ -144,11 +146,6 @@ def _evaluate_paired(model, profile, job, c, overlap, blas_tuning, explain, exec
                       ev.memory_limit, flat(ev.feasible), flat(ev.reason_code), ev.reasons, flat(ev.flops_per_gpu),
                       flat(ev.extrapolated), {}, flat(ev.bubble), flat(ev.memory_rank), flat(ev.micro_batches),
                       flat(ev.exact))
-
-
-def _merge(x: Evaluation, y: Evaluation, a: np.ndarray, b: np.ndarray) -> Evaluation:
-    """One Evaluation of the candidates whose rows a and b the two evaluated (the same reasons)."""
-    return _merge_many([x, y], [a, b])
 
 
 def _merge_many(evs: list, at: list) -> Evaluation:
@@ -299,18 +296,18 @@ def _flops_per_gpu(model: ModelSpec, job: Job, ck, execution: Execution) -> np.n
     return flops_token * job.tokens_per_batch / job.gpus
 
 
-def _excluded(model: ModelSpec, job: Job, c: Candidates, code: np.ndarray, execution: Execution,
+def _excluded(model: ModelSpec, job: Job, c: Candidates, code: np.ndarray, templates: list, execution: Execution,
               like: Evaluation | None, profile: MachineProfile) -> Evaluation:
-    """The Evaluation of pipelined candidates a rule excludes (code: the rule): infeasible with its reason,
-    neither timed nor their memory walked (NaN), laid out as `like` (the others' evaluation) to merge with it."""
+    """The Evaluation of pipelined candidates a rule excludes (code: the rule of `templates`, the reasons before
+    memory): infeasible with its reason, neither timed nor their memory walked (NaN), with the memory kinds of
+    `like` (the others' evaluation) to merge with it."""
     n = len(c)
     nan = np.full(n, np.nan)
     kinds = {k: None if like is None or getattr(like.memory, k) is None else nan for k in MEMORY_KINDS}
     moments = like.memory.moments if like is not None else ("not evaluated",)
     mem = Memory(nan, np.zeros(n, dtype=np.int64), moments, **kinds)
-    reasons = like.reasons if like is not None else [t for _, t in _rules(model, job, c, execution)] + [MEMORY_REASON]
     return Evaluation(nan, nan, nan, nan, mem, profile.mem_capacity - profile.mem_headroom, np.zeros(n, dtype=bool),
-                      code, reasons, _flops_per_gpu(model, job, c.checkpointing, execution), np.zeros(n, dtype=bool),
+                      code, templates + [MEMORY_REASON], _flops_per_gpu(model, job, c.checkpointing, execution), np.zeros(n, dtype=bool),
                       {}, nan, np.zeros(n, dtype=np.int64), micro_batches(job.global_batch, c),
                       np.zeros(n, dtype=bool))
 

@@ -200,8 +200,8 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     ck = np.asarray(checkpointing)
     Ts = T / execution.sequence_split(gy)  # tokens of the residual stream's tensors on this rank
 
-    states = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
-        * execution.state_bytes(gdata, e)
+    elements = np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)
+    states = elements * execution.state_bytes(gdata, e)
     copy = execution.weights == "low-precision-copy"
     r = execution.reduce_bytes(e)
     qkv, out, fc1, fc2 = (_layer(b, gz, e, copy=copy, reduce_bytes=r) for b in block_elems)
@@ -354,7 +354,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
     if execution.low_precision_grads_kept:
         # a forward after a backward (the next micro-batch's; a pipeline's steady state, every forward in flight
         # saved) while that backward's compute-dtype gradients are still kept: the end of its last block's forward
-        lp_grads = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) * e
+        lp_grads = elements * e
         # between that backward and the next forward each compute-dtype gradient is added into the fp32 one through
         # an fp32 copy of it, one parameter at a time (DeepSpeed bf16_optimizer.py update_hp_grads:
         # hp_grad.add_(lp.grad.to(hp_grad.dtype)), @15293139f 2022-02-28): the largest parameter's copy, the
@@ -392,8 +392,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         # engine.allreduce_bucket: tensor.to(communication_data_type), @15293139f 2022-02-28; one bucket per flat
         # group of 500M+ elements, a large rank's weights one) beside them, and the last backward's compute-dtype
         # gradients where the execution keeps them
-        kept_lp = (np.asarray(shard_elements, dtype=np.float64) + np.asarray(replicated_elements, dtype=np.float64)) \
-            * e * execution.low_precision_grads_kept
+        kept_lp = elements * e * execution.low_precision_grads_kept
         moment("gradient reduction", 0.0, kept_lp, 0.0, transients=np.asarray(shard_elements, dtype=np.float64) * e,
                in_step=False)
     moment("optimizer step", 0.0, 0.0, 0.0, in_step=False)

@@ -248,20 +248,17 @@ def peak_in_flight(schedule: str, pp: int, vpp: int, m: int) -> tuple:
     return tuple(out)
 
 
-def sharing_factors(pp: int, ranks_on_node: int, cores: int) -> np.ndarray:
-    """[pp + 1]: the time of a calibrated second of work while k of the pp pipeline ranks compute, where the
-    node's ranks share `cores` and the profile's rates hold with all of them busy: each busy rank gets
-    min(1, cores / busy) of a core (one thread: at most one), busy = k of every pp ranks on the node."""
-    k = np.arange(pp + 1)
-    busy = np.maximum(k * ranks_on_node / pp, 1.0)
-    all_busy = min(1.0, cores / ranks_on_node)
-    return all_busy / np.minimum(1.0, cores / busy)
-
-
-def fastest_sharing_factor(pp, ranks_on_node: int, cores: int) -> np.ndarray:
-    """The smallest of sharing_factors (one stage computing), per pp: what bounds a sharing walk below."""
-    busy = np.maximum(ranks_on_node / np.asarray(pp, dtype=np.float64), 1.0)
+def sharing_factor(k, pp, ranks_on_node: int, cores: int) -> np.ndarray:
+    """The time of a calibrated second of work while k of the pp pipeline ranks compute, where the node's ranks
+    share `cores` and the profile's rates hold with all of them busy: each busy rank gets min(1, cores / busy)
+    of a core (one thread: at most one), busy = k of every pp ranks on the node (k and pp broadcast)."""
+    busy = np.maximum(np.asarray(k) * ranks_on_node / np.asarray(pp, dtype=np.float64), 1.0)
     return min(1.0, cores / ranks_on_node) / np.minimum(1.0, cores / busy)
+
+
+def sharing_factors(pp: int, ranks_on_node: int, cores: int) -> np.ndarray:
+    """[pp + 1]: sharing_factor for k = 0 .. pp ranks computing."""
+    return sharing_factor(np.arange(pp + 1), pp, ranks_on_node, cores)
 
 
 def shared_rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray,
@@ -290,22 +287,22 @@ def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list)
     ran, end = [0.0] * pp, [0.0] * pp
     t = 0.0
 
-    def needs(o):  # (the operation o waits for, the transfer on it)
+    def needs(o):  # (the operation o waits for, the transfer on it, its row of seconds)
         kind, v = o // (V * m), o % (V * m) // m
+        row = v + V * kind
         if kind == 0:
-            return (o - m, send[1]) if v > 0 else (None, 0.0)
-        return (o + m, send[2]) if v < V - 1 else (o - V * m, 0.0)
+            return ((o - m, send[1]) if v > 0 else (None, 0.0)) + (row,)
+        return ((o + m, send[2]) if v < V - 1 else (o - V * m, 0.0)) + (row,)
 
     while True:
         arrivals = []
         for r in range(pp):  # start every rank whose next input has arrived
             if start[r] is None and ptr[r] < len(seqs[r]):
                 o = int(seqs[r][ptr[r]])
-                d, lag = needs(o)
+                d, lag, row = needs(o)
                 at = 0.0 if d is None else (done[d] + lag if d in done else None)
                 if at is not None and at <= t + 1e-15:
-                    kind, v = o // (V * m), o % (V * m) // m
-                    start[r], rem[r] = t, seconds[v + V * kind]
+                    start[r], rem[r] = t, seconds[row]
                 elif at is not None:
                     arrivals.append(at)
         busy = [r for r in range(pp) if start[r] is not None]

@@ -316,7 +316,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
              "total_s": float(np.ravel(cl.seconds)[0]) * calls}
             for cl, calls in listed]
     if pipelined:  # each micro-batch's send and receive at every virtual stage (the walk's transfers)
-        sends = 2 * ga * int(one.vpp[0])
+        sends = stage_timing.transfers_per_step(ga, int(one.vpp[0]))
         sec = float(np.ravel(sched.p2p)[0])
         rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
                      "group_size": 2, "stride": int(np.ravel(g.stride["p"])[0]),
@@ -349,7 +349,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         step_notes = [f"pipeline: {npp} stages, {SCHEDULES[int(one.schedule[0])]}, vpp={int(one.vpp[0])}, "
                       f"{ga} micro-batches per step; blocks per virtual stage "
                       f"{', '.join(map(str, stage_blocks(m.n_layers, npp, int(one.vpp[0]))))}",
-                      f"the slowest pipeline rank is {int(np.ravel(st.critical_rank)[0])}: it waits "
+                      f"the slowest pipeline rank is {critical}: it waits "
                       f"{float(np.ravel(st.bubble)[0]):.4g} s for its inputs (bubble)",
                       f"memory: the job's is pipeline rank {mrank}'s ({'last' if mrank else 'first'} stage); "
                       f"collectives listed: pipeline rank {critical}'s (its stages' windows, its gradient "

@@ -19,7 +19,7 @@ from axoplan.planner import comm
 from axoplan.planner import compute as work
 from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
-from axoplan.planner.pipeline import (SCHEDULES, fastest_sharing_factor, rank_end_times, shared_rank_end_times,
+from axoplan.planner.pipeline import (SCHEDULES, rank_end_times, shared_rank_end_times, sharing_factor,
                                       sharing_factors, stage_blocks, walked)
 from axoplan.planner.rows import distinct_rows
 from axoplan.planner.schedule import Schedule
@@ -164,6 +164,12 @@ class BestOf:
         return ok & (time <= limit)
 
 
+def transfers_per_step(m, vpp):
+    """Point-to-point transfers a pipeline rank makes per step: each micro-batch's send and receive at each of
+    its virtual stages (the walk's transfers; explain's send/recv row)."""
+    return 2 * m * vpp
+
+
 def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
                        seq_len: int, overlap: bool, walk: BestOf | None = None) -> PipelineTime:
     """The batch time of pipelined candidates (every one has pp > 1), by walking each structure's order.
@@ -269,8 +275,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         if shared is None:
             ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
         else:
-            world = int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0])
-            f = sharing_factors(p_, min(profile.gpus_per_node, world), shared)
+            f = sharing_factors(p_, on_node, shared)
             ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f)
             share = ran / np.maximum(mm * per_rank_work, 1e-300)
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
@@ -288,12 +293,13 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         sh = share[rk, col] if np.ndim(share) else share
         out["bubble"][idx] = np.maximum(ends[rk, col] - sh * mm * per_rank_work[rk, col], 0.0)
         out["comp"][idx] = sh * mm * per_rank_comp[rk, col] + opt_c
-        out["colls"][idx] = sh * mm * per_rank_coll[rk, col] + dp_c + 2 * mm * v_ * sends[idx]
+        out["colls"][idx] = sh * mm * per_rank_coll[rk, col] + dp_c + transfers_per_step(mm, v_) * sends[idx]
         exact[idx] = True
 
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
     overhead = profile.corrections.step_overhead_s
     shared = profile.shared_cores  # ranks sharing cores: their operations run faster while others wait
+    on_node = min(profile.gpus_per_node, int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0]))  # ranks per node
     if walk is None:
         for gi, idx in enumerate(groups):
             group(gi, idx)
@@ -314,8 +320,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
                 out[k][:] = np.nan
                 out[k][at] = v
         if shared is not None:  # every second at most as fast as with one stage computing: still a bound
-            world = int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0])
-            fastest = fastest_sharing_factor(pp, min(profile.gpus_per_node, world), shared)
+            fastest = sharing_factor(1, pp, on_node, shared)
             for k in ("batch", "comp", "colls", "bubble"):
                 out[k] *= fastest
         todo = walk.first(out["batch"] + overhead)
@@ -415,7 +420,7 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blockin
     return {"batch": pick(list(finish)), "crit": r.astype(np.float64),
             "bubble": np.maximum(pick(ends) - mm * pick(work), 0.0),
             "comp": mm * rank_sum(1, r) + pick([after[k][1] for k in kinds]),
-            "colls": mm * rank_sum(2, r) + pick([after[k][0] for k in kinds]) + 2 * mm * vpp * send}
+            "colls": mm * rank_sum(2, r) + pick([after[k][0] for k in kinds]) + transfers_per_step(mm, vpp) * send}
 
 
 def bound_time(first_fwd, first_bwd, send, work) -> np.ndarray:
