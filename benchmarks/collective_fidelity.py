@@ -59,6 +59,22 @@ MACHINES = {
     "h20-ndr": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
                 "8 x 400 Gb/s NDR ConnectX-7 per node (the data file's header)"),
     "p4dn-a100": ("dgx-a100", 50.0, (80, "intel", "PXB"), False, "4 x 100 Gb/s EFA per p4dn.24xlarge (AWS specification)"),
+    "p4de-a100": ("dgx-a100", 50.0, (80, "intel", "PXB"), False,
+                  "4 x 100 Gb/s EFA per p4de.24xlarge, Intel Xeon hosts (AWS p4d/p4de specification, data file header)"),
+    "p5-h100": ("dgx-h100", 400.0, (90, "amd", "PXB"), False,
+                "3,200 Gb/s of EFA per p5.48xlarge, AMD EPYC hosts (AWS p5 specification, data file header)"),
+    "xe9680-h100-ndr": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
+                        "8 x ConnectX-7 InfiniBand 400 Gb/s per Dell XE9680 (NVIDIA/nccl-tests #309, the reporter's "
+                        "setup; the XE9680 is an Intel Xeon server)"),
+    "vm-h100-ndr": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
+                    "8 GPU-NIC pairs per VM, 'With 8 400 Gbps NICs your peak would be at 400 GB/s' (the NCCL team, "
+                    "NVIDIA/nccl-tests #309); host CPU assumed Intel as the reporter's bare-metal XE9680s"),
+    "h100-ndr-8node": ("dgx-h100", 400.0, (90, "intel", "PXB"), False,
+                       "'IB 400G', 400 GB/s 'the IB limit of our network' (gj-aion, NVIDIA/nccl-tests #309); host CPU "
+                       "not stated: Intel assumed (it sets only NCCL's 1 us net overhead against AMD's 2)"),
+    "oci-gpu4-a100": ("dgx-a100", 200.0, (80, "amd", "PXB"), False,
+                      "16 x 100 Gb/s RoCE per OCI BM.GPU4.8, AMD hosts, GPU and NIC under one PCIe switch "
+                      "(oracle-quickstart/oci-hpc-oke manifests/topology/BM.GPU4.8.xml @1402938)"),
     "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
     "frontier-mi250x": ("frontier", 100.0, (80, "amd", "PXB"), True,
@@ -66,7 +82,8 @@ MACHINES = {
 }
 # the GPU-to-NIC path (gpu_physics.NIC_PATHS) decides whether NCCL runs LL128 across nodes
 NIC_PATH_SOURCE = {
-    "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn and A3 Mega instances built on them) put "
+    "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn, p4de, p5, A3 Mega and XE9680 nodes built on "
+           "them; OCI BM.GPU4.8 by its topology file) put "
            "each GPU and its NIC under one PCIe switch; RCCL on Frontier keeps the rows it had (its NICs hang off the "
            "MI250X packages)",
     "PHB": "inferred for Perlmutter's GPU nodes: jobs there set NCCL_NET_GDR_LEVEL=PHB, the sweep's own script "
@@ -76,12 +93,15 @@ NIC_PATH_SOURCE = {
 }
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
-           "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11"}
+           "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA",
+           "p5-h100": "AWS EFA", "xe9680-h100-ndr": "InfiniBand NDR", "vm-h100-ndr": "InfiniBand NDR",
+           "h100-ndr-8node": "InfiniBand NDR", "oci-gpu4-a100": "RoCE (OCI)"}
 # the communication library: its per-step latencies are its own (RCCL's tuning tables are not NCCL's), so a
 # latency scale transfers only between machines sharing network and library; the plateau, a property of the
 # NICs and the fabric, between machines sharing the network
 LIBRARY = {"a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn-a100": "NCCL", "perlmutter-a100": "NCCL",
-           "frontier-mi250x": "RCCL"}
+           "frontier-mi250x": "RCCL", "p4de-a100": "NCCL", "p5-h100": "NCCL", "xe9680-h100-ndr": "NCCL",
+           "vm-h100-ndr": "NCCL", "h100-ndr-8node": "NCCL", "oci-gpu4-a100": "NCCL"}
 # rows of this many bytes and more are bandwidth-bound on every judged curve: the plateau is fitted on them
 PLATEAU_BYTES = 2**28
 LO, HI = 2**20, 2**32
