@@ -264,18 +264,11 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
     bursts measured (clamped at both ends). The corrections split each curve at its smallest size:
     latency_scale multiplies that part, intra_bw_scale divides the rest."""
     nb = np.asarray(nbytes, dtype=np.float64)
-    x = np.log(np.maximum(nb, 1.0))
     slope = ring_volume(kind, size, 1.0) / (
         profile.intra_busbw(int(size), int(stride)) * profile.coll_bw_scale[kind])
     c = profile.corrections
-    per_burst = []
-    for _, lb, ls in profile.coll_table.curves[kind, int(size), int(stride)]:
-        t = np.exp(np.interp(x, lb, ls))
-        over = nb > np.exp(lb[-1])
-        if np.any(over):
-            t = np.where(over, np.exp(ls[-1]) + (nb - np.exp(lb[-1])) * slope, t)
-        t0 = np.exp(ls[0])
-        per_burst.append(t0 * c.latency_scale + (t - t0) / c.intra_bw_scale)
+    per_burst = [t0 * c.latency_scale + (t - t0) / c.intra_bw_scale
+                 for t0, t in _table_curves(profile.coll_table, kind, int(size), int(stride), nb, float(slope))]
     bursts = [b for b, _, _ in profile.coll_table.curves[kind, int(size), int(stride)]]
     if len(bursts) == 1:
         return per_burst[0] + c.collective_overhead_s
@@ -288,6 +281,34 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
         seg = (w >= lo) & ((w <= hi) if i == len(bursts) - 2 else (w < hi))
         out = np.where(seg, stack[i] * (1 - f) + stack[i + 1] * f, out)
     return out + c.collective_overhead_s
+
+
+# lookups of at most this many sizes are kept in CollectiveTable.memo (at most MEMO_MAX entries)
+MEMO_SIZES = 64
+MEMO_MAX = 100_000
+
+
+def _table_curves(tab, kind: str, size: int, stride: int, nb: np.ndarray, slope: float) -> list:
+    """Per measured burst, (t0, t): the curve's smallest-size time and its log-log interpolation at nb (beyond
+    the table, its largest time plus slope per byte), before the corrections."""
+    key = (kind, size, stride, nb.shape, nb.tobytes(), slope) if nb.size <= MEMO_SIZES else None
+    hit = tab.memo.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    x = np.log(np.maximum(nb, 1.0))
+    out = []
+    for _, lb, ls in tab.curves[kind, size, stride]:
+        t = np.exp(np.interp(x, lb, ls))
+        over = nb > np.exp(lb[-1])
+        if np.any(over):
+            t = np.where(over, np.exp(ls[-1]) + (nb - np.exp(lb[-1])) * slope, t)
+        out.append((np.exp(ls[0]), t))
+    if key is not None and len(tab.memo) < MEMO_MAX:
+        for _, t in out:
+            if isinstance(t, np.ndarray):
+                t.flags.writeable = False  # shared by every later lookup
+        tab.memo[key] = out
+    return out
 
 
 def ring_time(profile: MachineProfile, kind: str, nbytes, p, busbw, latency, inside=True, stride=1) -> np.ndarray:

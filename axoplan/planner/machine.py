@@ -120,6 +120,9 @@ class GemmTable:
     log_tput: dict  # layout -> array [len(m), len(n), len(k)] of log(FLOP/s)
     exact: dict  # (m, n, k) -> {layout: seconds}
     path: str = ""
+    # ((m, n, k), layout) -> (seconds, extrapolated) of the small lookups: a refit evaluates the same few
+    # shapes hundreds of times, where one lookup's interpolation costs ~0.4 ms of numpy overhead
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def swappable(self) -> bool:
@@ -136,6 +139,9 @@ class CollectiveTable:
 
     curves: dict  # (kind, size, stride) -> ((burst s, log bytes ascending, log seconds), ...) by burst
     path: str = ""
+    # (kind, size, stride, bytes, slope) -> each burst's (t0, t) before the corrections, for small lookups
+    # (comm.table_seconds): a refit times the same few calls hundreds of times
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def covers(self, kind: str, size: int, stride: int) -> bool:
         return (kind, int(size), int(stride)) in self.curves
@@ -365,10 +371,33 @@ class MachineProfile:
             return np.maximum(t_compute, t_memory) + self.launch_cost, np.zeros(shape, dtype=bool)
         tab = self.gemm_table
         pts = np.stack([m.ravel(), n.ravel(), k.ravel()], axis=-1)
+        if len(pts) <= MEMO_SHAPES:
+            t, ext = _memo_lookup(tab, pts, layout)
+            return (t / scale).reshape(shape), ext.reshape(shape)
         uniq, inv = np.unique(pts, axis=0, return_inverse=True)
         inv = inv.reshape(-1)
         t_u, ext_u = _table_lookup(tab, uniq, layout)
         return (t_u[inv] / scale).reshape(shape), ext_u[inv].reshape(shape)
+
+
+# lookups of at most this many shapes go through GemmTable.memo (which holds at most MEMO_MAX entries)
+MEMO_SHAPES = 64
+MEMO_MAX = 100_000
+
+
+def _memo_lookup(tab: GemmTable, pts: np.ndarray, layout: str | None):
+    """_table_lookup of the rows of pts, each distinct shape interpolated once per table and layout."""
+    keys = [(tuple(r), layout) for r in pts.tolist()]
+    todo = list(dict.fromkeys(k for k in keys if k not in tab.memo))
+    if todo:
+        t, ext = _table_lookup(tab, np.array([k[0] for k in todo], dtype=np.float64), layout)
+        found = dict(zip(todo, zip(t.tolist(), ext.tolist())))
+        if len(tab.memo) + len(found) <= MEMO_MAX:
+            tab.memo.update(found)
+    else:
+        found = {}
+    got = [tab.memo.get(k) or found[k] for k in keys]
+    return np.array([g[0] for g in got], dtype=np.float64), np.array([g[1] for g in got], dtype=bool)
 
 
 def _interp_log_tput(tab: GemmTable, lm, ln, lk, grid):
