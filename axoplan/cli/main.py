@@ -18,11 +18,11 @@ _FS_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EIO}
 COMMANDS = {
     "models": ("axoplan.cli.plan", "models", "List the bundled model presets."),
     "profiles": ("axoplan.cli.plan", "profiles", "List the bundled machine profiles."),
-    "rank": ("axoplan.cli.plan", "rank", "Rank every 4D configuration for a model, machine and GPU count."),
+    "rank": ("axoplan.cli.plan", "rank", "Rank every configuration (pipeline x data x 3D tensor) for a model, machine and GPU count."),
     "explain": ("axoplan.cli.plan", "explain", "Show where the time and memory of one configuration go."),
     "dryrun": ("axoplan.cli.dryrun", "dryrun", "Trace one training step at full scale on this CPU: memory and collectives "
                "against the plan."),
-    "train": ("axoplan.cli.train", "train", "Run the bundled 4D-parallel trainer (under torchrun or srun)."),
+    "train": ("axoplan.cli.train", "train", "Run the bundled trainer (4D grids, pipeline stages on top; under torchrun or srun)."),
     "calibrate": ("axoplan.cli.calibrate", "calibrate", "Measure this machine and write its profile."),
     "emit": ("axoplan.cli.loop", "emit", "Write a launch config and torchrun/Slurm scripts for a configuration."),
     "validate": ("axoplan.cli.loop", "validate", "Run the top-k candidates and score the ranking."),
@@ -64,7 +64,7 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="axoplan")
 def cli():
-    """axoplan: plan, validate and launch 4D-parallel (data x 3D tensor) GPT training."""
+    """axoplan: plan, validate and launch GPT training: data x 3D tensor parallelism (AxoNN), with pipeline stages."""
 
 
 def main(argv=None):
