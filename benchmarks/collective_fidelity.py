@@ -248,7 +248,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", action="store_true", help="print every judged row")
     ap.add_argument("--diagnose", action="store_true", help="per curve: median pred/meas at small and large sizes")
-    ap.add_argument("--fit-latency", metavar="MACHINE", help="fit network.protocols.latency_scale to one machine")
+    ap.add_argument("--fit-latency", metavar="MACHINE|NETWORK",
+                    help="fit network.protocols.latency_scale to one machine, or jointly to every NCCL machine on one "
+                         "network (e.g. 'InfiniBand NDR')")
     ap.add_argument("--steady", action="store_true",
                     help=f"judge only the steady state: leave out every call slower than {STALL} x a larger "
                          "message's on its curve (listed)")
@@ -263,14 +265,18 @@ def main(argv=None) -> int:
         rows = [r for r in rows if (r["curve"], float(r["bytes"])) not in out]
     machines = sorted({r["machine"] for r in rows})
     if args.fit_latency:
-        mine = [r for r in rows if r["machine"] == args.fit_latency]
+        mine = [r for r in rows if r["machine"] == args.fit_latency or
+                (NETWORK[r["machine"]] == args.fit_latency and LIBRARY[r["machine"]] == "NCCL")]
         if not mine:
-            print(f"error: no judged rows for machine {args.fit_latency!r} (known: {', '.join(machines)})",
-                  file=sys.stderr)
+            print(f"error: no judged rows for machine or network {args.fit_latency!r} (machines: {', '.join(machines)}; "
+                  f"networks: {', '.join(sorted(set(NETWORK.values())))})", file=sys.stderr)
             return 2
         s = fit_latency(mine)
         print(f"{args.fit_latency}: latency_scale {s:.3f} (mean error {mean_err(mine, 'protocols', s):.0%} "
               f"over its {len(mine)} judged rows)")
+        for m in sorted({r["machine"] for r in mine}):
+            mr = [r for r in mine if r["machine"] == m]
+            print(f"    {m:18s} {len(mr):3d} rows, mean error {mean_err(mr, 'protocols', s):.0%}")
         return 0
     lomo = {m: leave_one_out(rows, m) for m in machines}
     own = {m: fit_network([r for r in rows if r["machine"] == m]) for m in machines}

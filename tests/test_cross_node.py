@@ -145,7 +145,18 @@ def test_bundled_dgx_protocol_rows_are_nccls_defaults():
         want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}}, _Reader("t")).protocols
         got = load_profile(name).physics.protocols
         assert got.ring == want.ring and got.tree == want.tree and got.ll_max == want.ll_max
-        assert got.latency_scale == 2.0 and want.latency_scale == 1.0
+        assert got.latency_scale == 1.83 and want.latency_scale == 1.0
+
+
+def test_dgx_latency_scale_is_the_fit_to_every_published_ndr_sweep():
+    """The DGX profiles' network.protocols.latency_scale is what `collective_fidelity.py --fit-latency
+    "InfiniBand NDR"` gives over every published NDR sweep (its source says so), to its two decimals."""
+    cf = _collective_fidelity()
+    rows = [r for r in cf.judged(cf.load_rows()) if cf.NETWORK[r["machine"]] == "InfiniBand NDR"]
+    assert len({r["machine"] for r in rows}) >= 4
+    fitted = round(cf.fit_latency(rows), 2)
+    for name in ("dgx-a100", "dgx-h100", "dgx-h200"):
+        assert load_profile(name).physics.protocols.latency_scale == fitted, name
 
 
 def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
