@@ -53,6 +53,12 @@ class RunSet:
     groups: list  # (ModelSpec, Job, Candidates, positions into `measured`, Execution the runs ran)
     measured: np.ndarray
     labels: list
+    # a subset's runs as positions in the set it was taken from (root), which predicts them all at once
+    root: RunSet | None = field(default=None, repr=False, compare=False)
+    at: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # (corrections) -> (profile, predicted times of every run): a fit and its leave-one-out fits start from
+    # the same corrections and take the same finite-difference steps, so most of their predictions repeat
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.measured)
@@ -67,7 +73,9 @@ class RunSet:
             sel = np.nonzero(remap[idx] >= 0)[0]
             if len(sel):
                 groups.append((m, job, c.take(sel), remap[idx[sel]], ex))
-        return RunSet(groups, self.measured[pos], [self.labels[i] for i in pos])
+        root = self.root if self.root is not None else self
+        at = self.at[pos] if self.at is not None else pos
+        return RunSet(groups, self.measured[pos], [self.labels[i] for i in pos], root, at)
 
 
 def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
@@ -237,11 +245,22 @@ def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = No
     """Predicted time per batch of every run with the profile's corrections replaced by `corrections`."""
     from axoplan.planner.batch import evaluate
 
-    p = profile.with_corrections(**corrections) if corrections else profile
-    out = np.empty(len(runs.measured))
-    for m, job, c, idx, ex in runs.groups:
-        out[idx] = evaluate(m, p, job, c, execution=ex).batch_time
-    return out
+    base = runs.root if runs.root is not None else runs
+    key = tuple(sorted((corrections or {}).items()))
+    hit = base.memo.get(key)
+    if hit is not None and hit[0] is profile:
+        out = hit[1]
+    else:
+        p = profile.with_corrections(**corrections) if corrections else profile
+        out = np.empty(len(base.measured))
+        for m, job, c, idx, ex in base.groups:
+            out[idx] = evaluate(m, p, job, c, execution=ex).batch_time
+        if len(base.memo) < PREDICT_MEMO:
+            base.memo[key] = (profile, out)
+    return (out[runs.at] if runs.at is not None else out).copy()
+
+
+PREDICT_MEMO = 10_000  # predictions a RunSet keeps (each one float per run)
 
 
 # ---- parameter vector <-> corrections ---------------------------------------------------------------
