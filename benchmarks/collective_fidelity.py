@@ -11,7 +11,8 @@ Four predictions side by side:
   NCCL's latency sum plus the ring volume over a plateau from the NIC specification;
 - 'nccl': NCCL's protocol-aware model (comm.protocol_time: ring or tree, LL, LL128 or Simple) with NCCL's
   own constants (gpu_physics.nccl_protocols for the GPU generation, host CPU and GPU-to-NIC path: no LL128
-  across nodes beyond PXB; RCCL, a fork with the same tuning structure, is given the Ampere-on-AMD rows) and the plateau from the NIC specification x the one
+  across nodes beyond PXB; RCCL gets its own tuning model's rows, gpu_physics.rccl_protocols: Frontier's node
+  is RCCL's rome_model_63, tuning model 3) and the plateau from the NIC specification x the one
   ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812):
   nothing from any sweep;
 - 'lomo': the same with two measured properties, network.protocols.latency_scale (measured time over
@@ -77,15 +78,15 @@ MACHINES = {
                       "(oracle-quickstart/oci-hpc-oke manifests/topology/BM.GPU4.8.xml @1402938)"),
     "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
-    "frontier-mi250x": ("frontier", 100.0, (80, "amd", "PXB"), True,
+    "frontier-mi250x": ("frontier", 100.0, ("rccl", 3, "PXB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
 }
 # the GPU-to-NIC path (gpu_physics.NIC_PATHS) decides whether NCCL runs LL128 across nodes
 NIC_PATH_SOURCE = {
     "PXB": "documented assumption: 8-GPU HGX/DGX-class boards (and the p4dn, p4de, p5, A3 Mega and XE9680 nodes built on "
            "them; OCI BM.GPU4.8 by its topology file) put "
-           "each GPU and its NIC under one PCIe switch; RCCL on Frontier keeps the rows it had (its NICs hang off the "
-           "MI250X packages)",
+           "each GPU and its NIC under one PCIe switch; on Frontier RCCL's own rows, which have no LL128 (its NICs hang "
+           "off the MI250X packages)",
     "PHB": "inferred for Perlmutter's GPU nodes: jobs there set NCCL_NET_GDR_LEVEL=PHB, the sweep's own script "
            "among them (axonn-ai/sc2025-pccl-reproducer scripts/perlmutter/run_raw_collectives_benchmark.sh "
            "@624c30f; also NVlabs/FourCastNet submit_batch.sh @7595ba6), which changes NCCL's behaviour (GPUDirect "
@@ -139,9 +140,10 @@ def stalls(rows: list[dict]) -> set:
 
 
 @functools.lru_cache(maxsize=None)
-def _protocols(cap: int, cpu: str, nic_path: str) -> gpu_physics.Protocols:
-    return gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu, nic_path)}},
-                             _Reader("NCCL's defaults")).protocols
+def _protocols(cap, cpu, nic_path) -> gpu_physics.Protocols:
+    """The library's own rows: RCCL's tuning model where cap is 'rccl' (cpu: its tuning model), else NCCL's."""
+    rows = gpu_physics.rccl_protocols(cpu) if cap == "rccl" else gpu_physics.nccl_protocols(cap, cpu, nic_path)
+    return gpu_physics.parse({"network": {"protocols": rows}}, _Reader("the library's defaults")).protocols
 
 
 @functools.lru_cache(maxsize=None)

@@ -230,3 +230,29 @@ def test_no_ll128_across_nodes_beyond_pxb():
     assert gpu_physics.nccl_protocols(80, "amd") == gpu_physics.nccl_protocols(80, "amd", "PXB")
     with pytest.raises(ValueError, match="GPU-to-NIC path"):
         gpu_physics.nccl_protocols(80, "amd", "NVL")
+
+
+def test_a_rows_size_correction_slows_medium_messages_across_nodes():
+    """Simple ring with RCCL's kind of table: bandwidth x 0.25 at log2(bytes / 64) = 14 (1 MiB), the last
+    factor (1.0) beyond the table. All-gather over 8 GPUs on 2 nodes: 42 us + 7/8 of the buffer at 80 GB/s."""
+    simple = {"protocol": "Simple", "base_us": 8, "intra_us": 4, "net_us": 10, "bw_factor": 1.0,
+              "size_correction": [0.5] * 14 + [0.25, 1.0]}
+    p = prof(dict(PROTOCOLS, ring=[simple], tree=[]))
+    assert across(p, "all_gather", 2.0**20, 8) == pytest.approx((42 + 7 / 8 * 2.0**20 / (0.25 * 80e9) / US) * US)
+    assert across(p, "all_gather", 2.0**30, 8) == pytest.approx((42 + 7 / 8 * 2.0**30 / 80e9 / US) * US)
+    bad = dict(PROTOCOLS, ring=[dict(simple, size_correction=[1.5])])
+    with pytest.raises(UserError, match="size_correction"):
+        prof(bad)
+
+
+def test_rccl_rows_are_its_tuning_model_3():
+    """gpu_physics.rccl_protocols: Frontier's RCCL rows parse as a profile's and carry its ring correction
+    (Simple at 1-4 MiB: 0.2 of the plateau; 64 MiB on: 1.0); another tuning model is refused."""
+    from axoplan.planner import gpu_physics
+
+    p = prof(gpu_physics.rccl_protocols(3))
+    simple = {r.name: r for r in p.physics.protocols.ring}["Simple"]
+    assert simple.size_correction[14:17] == (0.2, 0.2, 0.2) and simple.size_correction[20:] == (1.0,) * 7
+    assert {r.name for r in p.physics.protocols.ring} == {"LL", "Simple"} and p.physics.protocols.tree == ()
+    with pytest.raises(ValueError, match="tuning model 5"):
+        gpu_physics.rccl_protocols(5)

@@ -96,7 +96,8 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
                   lat_scale: float = 1.0) -> np.ndarray:
     """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc) of one collective across nodes: each ring
     protocol costs base + (steps - network steps) x intra + network steps x net (a Simple ring all-reduce
-    x ring_plateau) plus the buffer's ring volume over its bus bandwidth, min(bw_factor x the group's
+    x ring_plateau) plus the buffer's ring volume over its bus bandwidth (x the row's size_correction at
+    log2(bytes / 64) where it has one: RCCL's ringCorrectionFactor), min(bw_factor x the group's
     plateau busbw, channels x per_channel; LL also under ll_max); an all-reduce may take the tree instead:
     base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer over half the bus
     bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
@@ -120,15 +121,18 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     lat_scale = lat_scale * pr.latency_scale
     tree_net = {pro.name: pro.net for pro in pr.tree}
     one = np.asarray(per_node, dtype=np.float64) <= 1
+    log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
     best = np.inf
     for pro in pr.ring:
         net = np.where(one, tree_net.get(pro.name, pro.net), pro.net)
         lat = pro.base + (steps - net_steps) * pro.intra + net_steps * net
         if ar and pro.name == "Simple":
             lat = lat * pr.ring_plateau
-        best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / bus(pro, bw))
+        b = bus(pro, bw)
+        if pro.size_correction:
+            b = b * np.array(pro.size_correction)[np.clip(log_size, 0, len(pro.size_correction) - 1)]
+        best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / b)
     if ar:
-        log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
         lg = np.ceil(np.log2(n))
         tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
         for pro in pr.tree:

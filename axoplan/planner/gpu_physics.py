@@ -16,7 +16,8 @@ GB = 1e9
 # the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
 PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor",
                  "latency_scale"}
-PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "source"}
+PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "size_correction",
+                     "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
 # NCCL's tree correction by log2(bytes / 64), 64 B to 256 MB, per protocol (NVIDIA/nccl src/graph/tuning.cc
 # @5067397 treeCorrectionFactor): its trees run slower than its own model at medium sizes; 1 beyond the table
@@ -39,6 +40,9 @@ class Protocol:
     net: float
     bw_factor: float = 1.0
     per_channel: tuple = (float("inf"), float("inf"))
+    # across nodes its bandwidth x this factor by log2(bytes / 64), the last beyond (RCCL's ringCorrectionFactor:
+    # its own per-platform measurement of how far medium messages fall short); empty: none
+    size_correction: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,14 @@ def _protocols(net: dict, rd) -> Protocols | None:
                 pc = tuple(rd.num({"v": v}, "v", f"{p}.per_channel_gbs") * GB for v in pc)
             else:
                 pc = (rd.num(r, "per_channel_gbs", p, default=float("inf")) * GB,) * 2
+            sc = r.get("size_correction") or []
+            if not isinstance(sc, list):
+                rd.fail(f"{p}.size_correction", "must be a list of bandwidth factors by log2(bytes / 64)")
+            sc = tuple(rd.num({"v": v}, "v", f"{p}.size_correction") for v in sc)
+            if any(v > 1 for v in sc):
+                rd.fail(f"{p}.size_correction", "must hold factors of at most 1")
             out.append(Protocol(name, *(rd.num(r, k, p, allow_zero=True) * US for k in ("base_us", "intra_us", "net_us")),
-                                f, pc))
+                                f, pc, sc))
         return tuple(out)
 
     ll = d.get("ll_max_busbw_gbs")
@@ -263,3 +273,38 @@ def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB") -> d
         d["ring"] = [r for r in d["ring"] if r["protocol"] != "LL128"]
         d["tree"] = [r for r in d["tree"] if r["protocol"] != "LL128"]
     return d
+
+
+RCCL_TUNING_SOURCE = "ROCm/rccl src/graph/tuning.cc @0cbce2a (2024-10-24; baseLat, rcclTuningModel, ncclTopoGetAlgoTime)"
+
+
+def rccl_protocols(tuning: int = 3) -> dict:
+    """network.protocols as RCCL's own tuning model gives it across nodes, for its tuning model `tuning` (3: the
+    one rome_model_63 selects, 8 MI250X GCDs and 4 NICs per node as on Frontier: ROCm/rccl src/graph/rome_models.cc
+    @0cbce2a, GPUs at bus c1000..de000, NICs at c5000, cd000, d5000, dd000, options 'tuning=3'). Rings only:
+    RCCL's trees and its all-reduce's 2 x nodes network steps are not written here (the published RCCL sweeps are
+    all-gathers and reduce-scatters)."""
+    if tuning != 3:
+        raise ValueError(f"RCCL tuning model {tuning} is not written here (only 3, Frontier's)")
+    src = RCCL_TUNING_SOURCE
+    # intra-node steps of an inter-node ring cost at least getNetOverhead (2 us on AMD hosts, x3 for Simple)
+    return {
+        "source": (f"{src}: RCCL's tuning model 3 (rome_model_63: Frontier's 8 MI250X GCDs and 4 NICs per node); "
+                   "AMD host CPUs: getNetOverhead 2 us, x3 for Simple; no LL128 (bwRatio 0), no llMaxBw cap and no "
+                   "ring plateau factor on AMD builds"),
+        "channels": {"value": 4, "source": "documented assumption: one ring per NIC, 4 per node; bounds nothing here "
+                                           "(no per-channel caps)"},
+        "ring": [
+            {"protocol": "LL", "base_us": 12.0, "intra_us": 2.0, "net_us": 9.5, "bw_factor": 0.2,
+             "size_correction": [0.1, 0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.2, 0.1, 0.4, 0.4, 0.2, 0.2, 0.3, 0.7, 0.5,
+                                 0.4, 0.3, 0.3, 0.3, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+             "source": f"{src}: baseLat[Ring][LL] 12.0, tuning_model_3 hwLat[NVLINK][Ring][LL] 0.8 (or the net "
+                       "overhead 2), hwLat[NET][Ring][LL] 9.5, bwRatio[Ring][LL] 0.20, ringCorrectionFactor[LL]"},
+            {"protocol": "Simple", "base_us": 17.0, "intra_us": 6.0, "net_us": 19.8, "bw_factor": 1.0,
+             "size_correction": [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.5, 1.0, 0.1, 0.3, 0.1, 0.1, 0.1, 0.2, 0.2,
+                                 0.2, 0.3, 0.4, 0.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+             "source": f"{src}: baseLat[Ring][Simple] 17.0, tuning_model_3 hwLat[NVLINK][Ring][Simple] 3.6 (or 3x "
+                       "the net overhead, 6), hwLat[NET][Ring][Simple] 19.8, bwRatio[Ring][Simple] 1.00, "
+                       "ringCorrectionFactor[Simple] (1-4 MiB: 0.2; 8 MiB 0.3; 16 MiB 0.4; 32 MiB 0.7; 64 MiB on 1.0)"},
+        ],
+    }
