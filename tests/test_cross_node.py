@@ -253,6 +253,19 @@ def test_rccl_rows_are_its_tuning_model_3():
     p = prof(gpu_physics.rccl_protocols(3))
     simple = {r.name: r for r in p.physics.protocols.ring}["Simple"]
     assert simple.size_correction[14:17] == (0.2, 0.2, 0.2) and simple.size_correction[20:] == (1.0,) * 7
-    assert {r.name for r in p.physics.protocols.ring} == {"LL", "Simple"} and p.physics.protocols.tree == ()
+    assert {r.name for r in p.physics.protocols.ring} == {"LL", "Simple"}
+    tree = {r.name: r for r in p.physics.protocols.tree}["Simple"]
+    assert tree.size_correction[21] == 0.8 and p.physics.protocols.two_node_tree_factor == pytest.approx(1.75 / 0.96,
+                                                                                                        abs=1e-4)
     with pytest.raises(ValueError, match="tuning model 5"):
         gpu_physics.rccl_protocols(5)
+
+
+
+def test_a_tree_rows_size_correction_replaces_nccls_tree_table():
+    """As test_all_reduce_takes_the_tree_with_its_correction, with the tree row's own table: 0.5 at 64 MiB
+    (log2(2^26 / 64) = 20) where NCCL's gives 0.8."""
+    tree = dict(PROTOCOLS["tree"][0], size_correction=[1.0] * 20 + [0.5, 1.0])
+    p = prof(dict(PROTOCOLS, tree=[tree]))
+    nb = 2.0**26
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / (0.5 * 160e9 * 0.5) / US) * US)

@@ -135,8 +135,8 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     if ar:
         lg = np.ceil(np.log2(n))
         tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
-        for pro in pr.tree:
-            table = np.array(gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
+        for pro in pr.tree:  # the row's own correction (RCCL's) where it has one, else NCCL's table
+            table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
             corr = table[np.clip(log_size, 0, len(table) - 1)]
             lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * pro.net)
             best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))

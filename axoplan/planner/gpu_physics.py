@@ -281,9 +281,9 @@ RCCL_TUNING_SOURCE = "ROCm/rccl src/graph/tuning.cc @0cbce2a (2024-10-24; baseLa
 def rccl_protocols(tuning: int = 3) -> dict:
     """network.protocols as RCCL's own tuning model gives it across nodes, for its tuning model `tuning` (3: the
     one rome_model_63 selects, 8 MI250X GCDs and 4 NICs per node as on Frontier: ROCm/rccl src/graph/rome_models.cc
-    @0cbce2a, GPUs at bus c1000..de000, NICs at c5000, cd000, d5000, dd000, options 'tuning=3'). Rings only:
-    RCCL's trees and its all-reduce's 2 x nodes network steps are not written here (the published RCCL sweeps are
-    all-gathers and reduce-scatters)."""
+    @0cbce2a, GPUs at bus c1000..de000, NICs at c5000, cd000, d5000, dd000, options 'tuning=3'). Not written here:
+    its ring all-reduce's 2 x nodes network steps (the model counts NCCL's 2 (nodes - 1)), and its tree's LL on 2
+    nodes, which two_node_tree_factor (Simple's 1.75 / 0.96) raises too."""
     if tuning != 3:
         raise ValueError(f"RCCL tuning model {tuning} is not written here (only 3, Frontier's)")
     src = RCCL_TUNING_SOURCE
@@ -306,5 +306,20 @@ def rccl_protocols(tuning: int = 3) -> dict:
              "source": f"{src}: baseLat[Ring][Simple] 17.0, tuning_model_3 hwLat[NVLINK][Ring][Simple] 3.6 (or 3x "
                        "the net overhead, 6), hwLat[NET][Ring][Simple] 19.8, bwRatio[Ring][Simple] 1.00, "
                        "ringCorrectionFactor[Simple] (1-4 MiB: 0.2; 8 MiB 0.3; 16 MiB 0.4; 32 MiB 0.7; 64 MiB on 1.0)"},
+        ],
+        "two_node_tree_factor": {"value": round(1.75 / 0.96, 4), "source": (
+            f"{src}: tuning_model_3 bwRatio[Tree][Simple] 1.75 on 2 nodes against 0.96 on more")},
+        "tree": [
+            {"protocol": "LL", "base_us": 12.0, "intra_us": 0.8, "net_us": 12.5, "bw_factor": 0.2,
+             "size_correction": [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1.0, 1.0, 0.2, 1.0, 0.9, 1.0, 0.6, 0.4, 0.6, 0.4,
+                                 0.3, 0.3, 0.3, 0.3, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+             "source": f"{src}: baseLat[Tree][LL] 12.0, tuning_model_3 hwLat[NVLINK][Tree][LL] 0.8, "
+                       "hwLat[NET][Tree][LL] 12.5, bwRatio[Tree][LL] 0.20, treeCorrectionFactor[LL]"},
+            {"protocol": "Simple", "base_us": 17.0, "intra_us": 2.5, "net_us": 22.4, "bw_factor": 0.96,
+             "size_correction": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.2, 1.0, 0.8, 1.0, 1.0, 1.0, 1.0,
+                                 1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.7, 0.8, 0.9, 0.7, 0.7],
+             "source": f"{src}: baseLat[Tree][Simple] 17.0, tuning_model_3 hwLat[NVLINK][Tree][Simple] 2.5, "
+                       "hwLat[NET][Tree][Simple] 22.4, bwRatio[Tree][Simple] 0.96 on more than 2 nodes, "
+                       "treeCorrectionFactor[Simple] (64 MiB on: 0.7-0.9)"},
         ],
     }
