@@ -263,9 +263,9 @@ def test_rccl_rows_are_its_tuning_model_3():
 
 
 def test_a_tree_rows_size_correction_replaces_nccls_tree_table():
-    """As test_all_reduce_takes_the_tree_with_its_correction, with the tree row's own table: 0.5 at 64 MiB
-    (log2(2^26 / 64) = 20) where NCCL's gives 0.8."""
-    tree = dict(PROTOCOLS["tree"][0], size_correction=[1.0] * 20 + [0.5, 1.0])
+    """As test_all_reduce_takes_the_tree_with_its_correction, with the tree row's own table: 0.9 at 64 MiB
+    (log2(2^26 / 64) = 20) where NCCL's gives 0.8 (the tree, 984 us, still beats the ring's 1582 us)."""
+    tree = dict(PROTOCOLS["tree"][0], size_correction=[1.0] * 20 + [0.9, 1.0])
     p = prof(dict(PROTOCOLS, tree=[tree]))
     nb = 2.0**26
-    assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / (0.5 * 160e9 * 0.5) / US) * US)
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / (0.5 * 160e9 * 0.9) / US) * US)
