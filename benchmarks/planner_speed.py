@@ -104,10 +104,14 @@ def main():
     for ex5 in (PRESETS["axoplan"], PRESETS["megatron-core"]):
         # interleaved, best of 5 each: a drift of the machine reaches both alike (one 4D timing alone varied
         # 71-107 ms on a 2-core VM, enough to flip the ratio)
-        t4, t5 = interleaved_best([lambda ex5=ex5: evaluate(model, prof, job, cands, execution=ex5, top=WALKED_BY_DEFAULT),
-                                   lambda ex5=ex5: evaluate(model, prof, job, cands5, execution=ex5,
-                                                            top=WALKED_BY_DEFAULT)], 5)
-        five[ex5.name] = (t4, t5, n / t4, len(cands5) / t5)
+        # the third as `axoplan rank` evaluates it: a pipelined candidate out of memory is not timed (it is
+        # listed only with --all, which times every one)
+        t4, t5, t5r = interleaved_best([
+            lambda ex5=ex5: evaluate(model, prof, job, cands, execution=ex5, top=WALKED_BY_DEFAULT),
+            lambda ex5=ex5: evaluate(model, prof, job, cands5, execution=ex5, top=WALKED_BY_DEFAULT),
+            lambda ex5=ex5: evaluate(model, prof, job, cands5, execution=ex5, top=WALKED_BY_DEFAULT,
+                                     bound_infeasible=False)], 5)
+        five[ex5.name] = (t4, t5, n / t4, len(cands5) / t5, len(cands5) / t5r)
 
     t_loop = best_of(loop, 2)
     rate_loop = len(rows) / t_loop
@@ -121,11 +125,12 @@ def main():
     print(f"ratio vectorised / loop: {rate_vec / rate_loop:,.0f}x")
     print(f"ratio vectorised / Calculon (159/s on 2 cores): {rate_vec / CALCULON_RATE:,.0f}x")
     print(f"target >= 1,000,000 candidates/s: {'met' if rate_vec >= 1e6 else 'NOT met'}")
-    for name, (t4, t5, rate4, rate5) in five.items():
+    for name, (t4, t5, rate4, rate5, rate5r) in five.items():
         print(f"5D (pp x vpp x schedule x grid, execution {name}, the best {WALKED_BY_DEFAULT} walked): "
               f"{len(cands5)} candidates in {t5 * 1e3:.0f} ms -> {rate5:,.0f}/s; its 4D part alone {n} in "
               f"{t4 * 1e3:.0f} ms -> {rate4:,.0f}/s; ratio 5D / 4D rate {rate5 / rate4:.2f} "
-              f"(target >= 1: {'met' if rate5 >= rate4 else 'NOT met'})")
+              f"(target >= 1: {'met' if rate5 >= rate4 else 'NOT met'}); as `axoplan rank` evaluates it (pipelined "
+              f"candidates out of memory not timed) {rate5r:,.0f}/s, ratio {rate5r / rate4:.2f}")
 
     exe = [sys.executable, "-m", "axoplan.cli"]
     t_rank = wall(exe + ["rank", "--model", "gpt-175b", "--machine", a.machine, "--gpus", "65536",
