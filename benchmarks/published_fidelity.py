@@ -179,9 +179,7 @@ def torchtitan():
         t = r["technique"]
         label = f"{r['table']} {r['model']} {r['gpus']}gpu {t}"
         reason = None
-        if int(r["pp"]) > 1:
-            reason = "pipeline parallel"
-        elif "loat8" in t:
+        if "loat8" in t:
             reason = "fp8 (Float8)"
         elif int(r["cp"]) > 1 or "CP" in t:
             reason = "context parallel: the space does not split the sequence"
@@ -202,9 +200,11 @@ def torchtitan():
                                                                                         recompute="full")
         gb = int(r["global_batch"])
         meas = gb * seq / (float(r["measured"]) * gpus)
+        pp = int(r["pp"])  # torchtitan's pipeline: the schedule the row names
         runs.append(Run("torchtitan-h100", src, label, model, gpus, gb, seq, (1, tp, fsdp, 1), "yzx",
                         int(r["local_batch"]), ac != "none", meas, f"torchtitan-h100:{r['model']}", notes,
-                        execution))
+                        execution, pp=pp, schedule=("interleaved-1f1b" if "Interleaved" in t else "1f1b") if pp > 1
+                        else None))
     if not any("H200" in r["machine"] or "H200" in r["table"] for r in read_table(src)
                if "loat8" not in r["technique"]):
         out.append((src, "H200 (Trainy/WhiteFiber) rows", "every H200 row is fp8 + torch.compile: no bf16 H200 run"))

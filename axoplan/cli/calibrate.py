@@ -286,7 +286,9 @@ def _parts_args(parts: str, results: Path, nproc: int | None, from_results, emit
 @click.option("--nproc", type=inputs.Count(1, inputs.MAX_GPUS_PER_NODE), default=None,
               help="Ranks per node to measure with (default: the GPUs here, else the CPU cores).")
 @click.option("--out", type=str, default=None, help="Profile to write, e.g. machine_profiles/NAME.yaml.")
-@click.option("--quick", is_flag=True, help="A coarser sweep (under 3 minutes on a 2-core machine).")
+@click.option("--quick", is_flag=True,
+              help="A coarser sweep (under 3 minutes on a 2-core machine with the default --nproc; ranks beyond "
+                   "the cores share them: --nproc 8 on 2 cores took 23 minutes).")
 @click.option("--results", type=str, default=None,
               help="Folder for the raw measurements (default: NAME_results beside the profile --out names).")
 @click.option("--models", type=str, default=None,
