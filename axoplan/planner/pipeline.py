@@ -129,6 +129,11 @@ class Walk:
     p2p: np.ndarray
     last: np.ndarray  # [pp] the index of each rank's last operation
     n_ops: int
+    steps: tuple = ()  # per level (its slice, prev, dep, p2p, row): the walk's loop reads no attribute
+
+    def __post_init__(self):
+        object.__setattr__(self, "steps", tuple((sl, self.prev[sl], self.dep[sl], self.p2p[sl], self.row[sl])
+                                               for sl in self.levels))  # frozen: set once, here
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,9 +199,12 @@ def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
     """Each rank's end time [pp, n]: seconds [2V, n] per operation row, send [3, n] per transfer kind."""
     n = seconds.shape[1]
     end = np.zeros((plan.n_ops + 1, n))
-    for sl in plan.levels:
-        ready = np.maximum(end[plan.prev[sl]], end[plan.dep[sl]] + send[plan.p2p[sl]])
-        end[sl] = ready + seconds[plan.row[sl]]
+    for sl, prev, dep, p2p, row in plan.steps:
+        ready = end[dep]
+        ready += send[p2p]
+        np.maximum(ready, end[prev], out=ready)
+        ready += seconds[row]
+        end[sl] = ready
     return end[plan.last]
 
 

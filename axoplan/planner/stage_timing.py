@@ -65,11 +65,12 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
         t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
         block_compute = sum(w.compute_s() for w in p.block)
         block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
+        memo: dict = {}  # the kinds share the block's windows: each timed once
         for kind, (first, last) in KINDS.items():
             st = p.stage(first, last)
             parts: dict = {}
             run_windows([t(w) for w in st.prefix], [t(w) for w in p.block], [t(w) for w in st.suffix], 1, overlap,
-                        overlap, None, side, parts)
+                        overlap, None, side, parts, memo)
             ends = st.prefix + st.suffix
             compute = (sum(w.compute_s() for w in ends) + block_compute, block_compute)
             colls = (sum(sum(c.seconds for c in w.collectives()) for w in ends) + block_colls, block_colls)

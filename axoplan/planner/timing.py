@@ -122,12 +122,21 @@ def timed(w: Window, side_by_side, overlap: bool) -> Timed:
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
-                side_by_side=overlapped, parts: dict | None = None):
+                side_by_side=overlapped, parts: dict | None = None, memo: dict | None = None):
     """Total time of prefix + block * n_blocks + suffix (Timed windows), identical blocks evaluated once.
     parts (a dict) receives the prefix's time (with the first all-gather), one interior block's, the
-    last block's and the suffix's: total = prefix + block * (n_blocks - 1) + last + suffix."""
+    last block's and the suffix's: total = prefix + block * (n_blocks - 1) + last + suffix.
+    memo: a dict shared by calls over the same Timed windows (the stages of one pass), each window's time
+    before a given next window computed once."""
+    memo = {} if memo is None else memo
 
     def window_time(w: Timed, nxt: Timed | None):
+        key = (id(w), id(nxt))
+        if key not in memo:
+            memo[key] = _window_time(w, nxt)
+        return memo[key]
+
+    def _window_time(w: Timed, nxt: Timed | None):
         if oag:
             z = (nxt.ag if nxt is not None else 0.0) + (w.rs if ors else 0.0)
             return side_by_side(w.compute + w.blocking + (0.0 if ors else w.rs), z)
