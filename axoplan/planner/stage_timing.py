@@ -49,9 +49,8 @@ def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
     """Blocks pipeline rank `rank` holds: vpp virtual stages of q blocks, plus one for each of its stages among
     the first L mod (pp * vpp)."""
     pp, vpp, rank = (np.asarray(x, dtype=np.int64) for x in (pp, vpp, rank))
-    V = np.maximum(pp * vpp, 1)
-    q, r = n_layers // V, n_layers % V
-    extra = np.clip(-(-(r - rank) // np.maximum(pp, 1)), 0, vpp)
+    q, r = np.divmod(n_layers, np.maximum(pp * vpp, 1))
+    extra = np.minimum(np.maximum(-((rank - r) // np.maximum(pp, 1)), 0), vpp)  # ceil((r - rank) / pp) in [0, vpp]
     return vpp * q + extra
 
 
@@ -403,9 +402,9 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blockin
     path_terms = [(excess("first", ps, 0, n0), lin["middle"][ps][0][0] + send, lin["middle"][ps][0][1])
                   for ps in (0, 1)]
 
-    def rank_sum(what, r):
+    def rank_sum(what, r, blocks):  # blocks: rank_blocks of r
         fixed, per_block, first, last = rank_terms[what]
-        return fixed + per_block * rank_blocks(n_layers, pp, vpp, r) + np.where(r == 0, first, 0.0) + np.where(r == pp - 1, last, 0.0)
+        return fixed + per_block * blocks + np.where(r == 0, first, 0.0) + np.where(r == pp - 1, last, 0.0)
 
     def path(ps, r):  # bound_time's prefix: the first virtual stages of the ranks before r, a transfer each
         first, step, per_block = path_terms[ps]
@@ -416,7 +415,8 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blockin
     ranks = [0 * pp] + [np.clip(x, 1, pp - 2) for x in (one, b - 1, b, pp - 2)] + [pp - 1]
     kinds = ["first"] + ["middle"] * 4 + ["last"]
     valid = [True] + [pp > 2] * 4 + [True]
-    work = [rank_sum(0, r) for r in ranks]
+    held = [rank_blocks(n_layers, pp, vpp, r) for r in ranks]  # each rank's blocks, once
+    work = [rank_sum(0, r, nb) for r, nb in zip(ranks, held)]
     ends = [path(0, r) + mm * w for r, w in zip(ranks, work)]
     ends[0] = np.max(np.broadcast_arrays(*[np.where(ok, e + path(1, r), -np.inf) for ok, e, r in zip(valid, ends, ranks)]),
                      axis=0)
@@ -427,11 +427,11 @@ def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blockin
     def pick(xs):
         return np.choose(j, xs)
 
-    r = pick(ranks)
+    r, nb = pick(ranks), pick(held)
     return {"batch": pick(list(finish)), "crit": r.astype(np.float64),
             "bubble": np.maximum(pick(ends) - mm * pick(work), 0.0),
-            "comp": mm * rank_sum(1, r) + pick([after[k][1] for k in kinds]),
-            "colls": mm * rank_sum(2, r) + pick([after[k][0] for k in kinds]) + transfers_per_step(mm, vpp) * send}
+            "comp": mm * rank_sum(1, r, nb) + pick([after[k][1] for k in kinds]),
+            "colls": mm * rank_sum(2, r, nb) + pick([after[k][0] for k in kinds]) + transfers_per_step(mm, vpp) * send}
 
 
 def bound_time(first_fwd, first_bwd, send, work) -> np.ndarray:
