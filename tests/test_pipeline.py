@@ -385,3 +385,44 @@ def test_a_cpu_profile_sharing_cores_ranks_pipelines_with_it(tmp_path):
     (tmp_path / "g.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(UserError, match="shared_cores' is a cpu profile's field"):
         load_profile(str(tmp_path / "g.yaml"))
+
+
+@pytest.mark.parametrize("model_name,machine,gpus,batch,checkpointing",
+                         [("gpt-20b", "dgx-a100", 64, 512, "both"), ("gpt-20b", "dgx-a100", 64, 512, "on"),
+                          ("gpt-small", "localhost-cpu", 8, 32, "both")])
+def test_a_schedule_built_once_for_the_vpp_and_schedule_variants_times_each_as_its_own(model_name, machine, gpus,
+                                                                                       batch, checkpointing):
+    """evaluate() builds one schedule for the candidates that differ only in vpp and pipeline schedule: every
+    time, memory and reason equals that of each (pp, vpp, schedule) evaluated alone (no two of its candidates
+    share a schedule there), bounded and walked alike."""
+    from axoplan.planner import batch as B
+    from axoplan.planner.machine import load_profile
+    from axoplan.planner.specs import Job, load_model
+
+    model, prof = load_model(model_name), load_profile(machine)
+    job = Job(gpus, batch, model.seq_len)
+    choices = [p for p in pipeline_choices(gpus, model.n_layers, "all") if p[0] > 1]
+    assert len({p[0] for p in choices}) < len(choices)  # some pp with several (vpp, schedule): shared schedules
+    fields = ("batch_time", "compute", "comm", "exposed_comm", "bubble", "memory_rank", "exact", "feasible",
+              "reason_code", "micro_batches")
+    for top, bound_all in ((None, True), (10, True), (10, False)):
+        whole = B.evaluate(model, prof, job, enumerate_space(gpus, batch, checkpointing=checkpointing,
+                                                             pipelines=choices), top=top, bound_infeasible=bound_all)
+        alone = [B.evaluate(model, prof, job, enumerate_space(gpus, batch, checkpointing=checkpointing,
+                                                              pipelines=[p]), top=None) for p in choices]
+        # enumerate_space lists the pipelines' blocks in order within each checkpointing half
+        halves = 2 if checkpointing == "both" else 1
+        for f in fields + ("memory",):
+            get = (lambda ev: ev.memory.total) if f == "memory" else (lambda ev, f=f: np.broadcast_to(
+                getattr(ev, f), len(ev.feasible)))
+            parts = [np.split(get(ev), halves) for ev in alone]
+            expect = np.concatenate([p[h] for h in range(halves) for p in parts])
+            got = get(whole)
+            if top is None or f in ("memory", "feasible", "reason_code", "micro_batches"):
+                assert np.array_equal(got, expect, equal_nan=True), f
+        if top is not None:  # the walked ones exactly; the rest bounded below, or untimed where out of memory
+            ex = whole.exact
+            t_alone = np.concatenate([np.split(ev.batch_time, halves)[h] for h in range(halves) for ev in alone])
+            assert ex.sum() >= 10 and np.array_equal(whole.batch_time[ex], t_alone[ex])
+            ok = np.isfinite(whole.batch_time)
+            assert np.all(whole.batch_time[ok] <= t_alone[ok] * (1 + 1e-12))

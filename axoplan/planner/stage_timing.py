@@ -171,16 +171,26 @@ def transfers_per_step(m, vpp):
 
 
 def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
-                       seq_len: int, overlap: bool, walk: BestOf | None = None) -> PipelineTime:
+                       seq_len: int, overlap: bool, walk: BestOf | None = None, distinct=None) -> PipelineTime:
     """The batch time of pipelined candidates (every one has pp > 1), by walking each structure's order.
 
     walk: which candidates to walk when only the best need exact times (BestOf); the others keep their lower
-    bound (bound_time) and `exact` False. None: every candidate walked."""
+    bound (bound_time) and `exact` False. None: every candidate walked.
+    distinct: (candidates, each of c's row among them) where sched was built for distinct candidates that
+    differ from c's only in vpp and schedule (with the same blocks per rank); None: sched is c's own. The
+    stage_seconds returned are then the distinct candidates'."""
+    cs, rows = (c, None) if distinct is None else distinct
+    nu = len(cs)
+
+    def to_c(x):  # a schedule array on c
+        return x if rows is None or not np.ndim(x) or np.shape(x)[-1] != nu else np.asarray(x)[..., rows]
+
     timing = strategy(profile)
     timing.retime(profile, sched)
     parts = _stage_parts(sched, timing.side_by_side, overlap)
-    ck = np.asarray(sched.checkpointing)
-    shape = np.broadcast(ck, c.gx, sched.grad_acc).shape
+    ck = np.asarray(to_c(sched.checkpointing))
+    grad_acc = to_c(sched.grad_acc)
+    shape = np.broadcast(ck, c.gx, grad_acc).shape
     N = int(np.prod(shape))
 
     def flat(x):
@@ -191,15 +201,28 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         [2, h] view flattened would be copied whole); indexed by an Index (the positions unravelled once)."""
 
         def __init__(self, x):
-            self.raw = np.asarray(x)
+            self.raw = r = np.asarray(x)
+            # on the distinct candidates' rows: indexed through each candidate's row
+            self.mapped = rows is not None and r.ndim > 0 and r.shape[-1] == nu
+            self.flat = self.row = None
+            if self.mapped:
+                self.row = r.reshape(-1) if r.size == nu else None
+                return
             self.x = np.broadcast_to(self.raw, shape)
             # a 1-D take from the array itself (whole, or one row broadcast over the checkpointing axis) is
             # several times faster than fancy indexing of the broadcast view with the unravelled positions
-            r = self.raw
             self.flat = r.reshape(-1) if r.shape == shape and r.flags.c_contiguous else None
             self.row = r.reshape(-1) if r.ndim and r.size == shape[-1] and r.shape[-1] == shape[-1] else None
 
+        def full(self):
+            """The array as c's candidates see it (broadcasting against them)."""
+            return to_c(self.raw)
+
         def __getitem__(self, at):
+            if self.mapped:
+                if self.row is not None:
+                    return self.row.take(at.row)
+                return self.raw[at.where[:-1] + (at.row,)]
             if self.flat is not None:
                 return self.flat.take(at.ids)
             if self.row is not None:
@@ -214,18 +237,19 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             out = np.asarray(idx).view(Index)
             out.ids = np.asarray(idx)
             out.where = np.unravel_index(idx, shape)
+            out.row = None if rows is None else rows[out.where[-1]]  # the distinct candidate's
             return out
 
     ckf = flat(ck)
-    m_raw = _timed_micro_batches(c.schedule, c.pp, sched.grad_acc)
+    m_raw = _timed_micro_batches(c.schedule, c.pp, grad_acc)
     pp, vpp, sc, m = flat(c.pp), flat(c.vpp), flat(c.schedule), flat(m_raw)
     L = model.n_layers
     # the rank's once-per-step work: first, the heaviest middle rank (1), last
     ranks = {"first": 0, "middle": 1, "last": None}
     after = {}
-    for kind, (first, last) in KINDS.items():
-        r = np.asarray(c.pp) - 1 if last else ranks[kind]
-        dp, opt = _rank_step(profile, sched, model, c, ex, seq_len, rank_blocks(L, c.pp, c.vpp, r), first, last)
+    for kind, (first, last) in KINDS.items():  # (on the distinct candidates: their blocks per rank are c's)
+        r = np.asarray(cs.pp) - 1 if last else ranks[kind]
+        dp, opt = _rank_step(profile, sched, model, cs, ex, seq_len, rank_blocks(L, cs.pp, cs.vpp, r), first, last)
         after[kind] = (Lazy(dp), Lazy(opt))
 
     # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
@@ -245,7 +269,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1)))
         return out
 
-    sends = flat(sched.p2p)
+    sends = flat(to_c(sched.p2p))
     walk_m = np.zeros_like(m)
     for s_, name in enumerate(SCHEDULES):
         walk_m = np.where(sc == s_, walked(name, pp, m), walk_m)
@@ -316,16 +340,16 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
         # elementwise over the candidates' own shapes (the checkpointing axis broadcast, not copied)
         if walk.bound_all:
-            full = {key: [a.raw for a in xs] for key, xs in flat_parts.items()}
-            rows = {k: tuple(a.raw for a in after[k]) for k in KINDS}
-            for k, v in bounds(full, rows, ck, c.pp, c.vpp, m_raw, np.asarray(sched.p2p), L,
+            full = {key: [a.full() for a in xs] for key, xs in flat_parts.items()}
+            ends = {k: tuple(a.full() for a in after[k]) for k in KINDS}
+            for k, v in bounds(full, ends, ck, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p)), L,
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         else:  # the feasible candidates' bounds, gathered
             at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
             full = {key: [a[at] for a in xs] for key, xs in flat_parts.items()}
-            rows = {k: tuple(a[at] for a in after[k]) for k in KINDS}
-            for k, v in bounds(full, rows, ckf[at], pp[at], vpp[at], m[at], sends[at], L,
+            ends = {k: tuple(a[at] for a in after[k]) for k in KINDS}
+            for k, v in bounds(full, ends, ckf[at], pp[at], vpp[at], m[at], sends[at], L,
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.nan
                 out[k][at] = v
