@@ -338,18 +338,19 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         for gi, idx in enumerate(groups):
             group(gi, idx)
     else:  # every bound, then the walk of the candidates that can be among the best, in two rounds
-        # elementwise over the candidates' own shapes (the checkpointing axis broadcast, not copied)
+        # the stage parts' linear terms once on the schedule's own rows, then elementwise over the candidates
+        terms = linear_terms({key: [a.raw for a in xs] for key, xs in flat_parts.items()}, np.asarray(sched.checkpointing))
         if walk.bound_all:
-            full = {key: [a.full() for a in xs] for key, xs in flat_parts.items()}
+            lin = map_terms(terms, to_c)
             ends = {k: tuple(a.full() for a in after[k]) for k in KINDS}
-            for k, v in bounds(full, ends, ck, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p)), L,
-                               ex.pipeline_blocking_p2p).items():
+            for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p)), L,
+                                        ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         else:  # the feasible candidates' bounds, gathered
             at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
-            full = {key: [a[at] for a in xs] for key, xs in flat_parts.items()}
+            lin = map_terms(terms, lambda x: Lazy(x)[at])
             ends = {k: tuple(a[at] for a in after[k]) for k in KINDS}
-            for k, v in bounds(full, ends, ckf[at], pp[at], vpp[at], m[at], sends[at], L,
+            for k, v in bounds_of_terms(lin, ends, pp[at], vpp[at], m[at], sends[at], L,
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.nan
                 out[k][at] = v
@@ -392,21 +393,37 @@ def _linear(full: dict, kind: str, ck: np.ndarray) -> tuple:
     return tuple(out)
 
 
+def linear_terms(full: dict, ck) -> dict:
+    """kind -> _linear: what bounds needs of the stage parts, before any candidate's pp, vpp or m."""
+    return {k: _linear(full, k, ck) for k in KINDS}
+
+
+def map_terms(lin: dict, f) -> dict:
+    """linear_terms with f applied to each of its arrays."""
+    return {k: tuple(tuple((f(a), f(b)) for a, b in ps) for ps in v) for k, v in lin.items()}
+
+
 def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blocking: bool = False) -> dict:
+    """bounds_of_terms over the stage parts `full` (see there)."""
+    return bounds_of_terms(linear_terms(full, ck), after, pp, vpp, m, send, n_layers, blocking)
+
+
+def bounds_of_terms(lin: dict, after: dict, pp, vpp, m, send, n_layers: int, blocking: bool = False) -> dict:
     """bound_time's batch (with each rank's gradient reduction and optimizer), critical rank, bubble, compute
     and collectives for every candidate at once, in closed form: its virtual stages of one kind differ only in
     their blocks, so a rank's path and work are linear in its rank r between the steps of its blocks (at b, the
     first rank without an extra block), and their maximum over the middle ranks lies at 1, b - 1, b or pp - 2
     (the first of equal ones at the left end of a piece).
-    full: (kind, pass) -> the parts of _stage_parts, flat; after: kind -> (gradient reduction, optimizer);
-    blocking: each stage's sender busy for its transfer (Execution.pipeline_blocking_p2p), as the walk has it."""
+    lin: linear_terms of the parts of _stage_parts (their arrays on the candidates); after: kind -> (gradient
+    reduction, optimizer); blocking: each stage's sender busy for its transfer (Execution.pipeline_blocking_p2p),
+    as the walk has it."""
     pp, vpp, m = (np.asarray(x) for x in (pp, vpp, m))
+    lin = dict(lin)  # the blocking transfers below replace entries: the caller's stay as they were
     mm = m.astype(np.float64)
     V = pp * vpp
     q, rem = n_layers // V, n_layers % V
     b = rem % pp
     n0 = q + (rem > 0)  # blocks of virtual stage 0 (the last one never takes an extra)
-    lin = {k: _linear(full, k, ck) for k in KINDS}
     if blocking:  # a forward sends on unless its stage is the last, a backward back unless it is the first
         for k, (f_on, b_on) in {"first": (1, 0), "middle": (1, 1), "last": (0, 1)}.items():
             (fwd, *fr), (bwd, *br) = lin[k]
