@@ -139,3 +139,14 @@ def run_cli(args, capsys):
 def one_sentence(code, err):
     """A user error: exit code 2 and one `error:` line, no traceback."""
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

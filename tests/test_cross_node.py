@@ -179,14 +179,9 @@ def test_every_published_sweep_row_names_a_described_machine():
 
 
 def _collective_fidelity():
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "collective_fidelity.py"
-    spec = importlib.util.spec_from_file_location("collective_fidelity", path)
-    cf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cf)
-    return cf
+    return load_benchmark("collective_fidelity")
 
 
 def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():

@@ -1,22 +1,12 @@
 """benchmarks/ranking_fidelity.py's tie ceiling, on hand-computed cases."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ranking_fidelity.py"
-    spec = importlib.util.spec_from_file_location("ranking_fidelity", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_benchmark
 
 
 def test_the_tie_ceiling_keeps_the_models_ties_and_orders_the_rest_as_measured():
-    rf = _bench()
+    rf = load_benchmark("ranking_fidelity")
     # no ties: every distinct prediction ordered as measured, whatever the model's order
     assert rf.tie_ceiling([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(1.0)
     # candidates 0 and 1 predicted alike: 5 concordant pairs, one tied in the prediction -> 5 / sqrt(5 * 6)
