@@ -12,8 +12,8 @@ machine during a sweep reaches every candidate alike; its time is the median of 
 contention, which a profile calibrated with 4 ranks does not describe (benchmarks/data/profiles/
 localhost-cpu-8.yaml was calibrated with 8: pass it as --machine). Beside tau it prints the tau the model's
 ties allow (tie_ceiling): below it the model orders candidates wrongly; candidates it predicts alike (e.g.
-placements it cannot tell apart) cost the rest. Other processes running on the machine at the same time distort every measurement: the
-load average is printed before and after each sweep so a reader can judge.
+placements it cannot tell apart) cost the rest. Other processes running on the machine at the same time
+distort every measurement: the load average is printed before and after each sweep so a reader can judge.
 """
 from __future__ import annotations
 

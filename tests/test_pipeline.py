@@ -270,8 +270,8 @@ def test_chunks_and_unbounded_infeasible_keep_the_best(monkeypatch):
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), n_layers=st.integers(8, 40), blocking=st.booleans())
 def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers, blocking):
-    """stage_timing.bounds (all candidates at once) equals bound_time over each candidate's own stages."""
-    from axoplan.planner.stage_timing import KINDS, bounds
+    """stage_timing.bounds_of_terms (all candidates at once) equals bound_time over each candidate's own stages."""
+    from axoplan.planner.stage_timing import KINDS, bounds_of_terms, linear_terms
 
     rng = np.random.default_rng(seed)
     n = 40
@@ -285,7 +285,7 @@ def test_the_closed_form_bound_is_the_path_bound_of_every_rank(seed, n_layers, b
     full = {(k, p): [rng.uniform(0.05, 1.0, n) for _ in range(8)]
             for k in KINDS for p in ("forward", "backward", "backward_recompute")}
     after = {k: (rng.uniform(0, 0.5, n), rng.uniform(0, 0.5, n)) for k in KINDS}
-    got = bounds(full, after, ck, pp, vpp, m, send, n_layers, blocking)
+    got = bounds_of_terms(linear_terms(full, ck), after, pp, vpp, m, send, n_layers, blocking)
     for i in range(n):
         p_, v_ = int(pp[i]), int(vpp[i])
         V = p_ * v_

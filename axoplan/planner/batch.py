@@ -13,7 +13,7 @@ from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.planner.memory import Memory, PipelineBuffers, memory, pipeline_buffers
-from axoplan.planner.rows import distinct_rows
+from axoplan.planner.rows import distinct_rows, on_rows
 from axoplan.planner.space import CANDIDATE_FIELDS, Candidates, divisibility_masks, micro_batches
 from axoplan.planner.specs import Job, ModelSpec
 
@@ -201,11 +201,8 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
             ck_s = ck if np.ndim(ck) != 1 else np.asarray(ck)[u_first]
     sched = schedule.build(model, profile, job, cs, ck_s, overlap, tuning, comm.place(profile, cs), execution)
 
-    def to_c(x):
-        """A schedule array on the candidates (from its rows among the distinct ones)."""
-        if rows_s is None or not np.ndim(x) or np.shape(x)[-1] != len(cs):
-            return x
-        return np.asarray(x)[..., rows_s]
+    def to_c(x):  # a schedule array on the candidates
+        return on_rows(x, rows_s, len(cs))
     shard, replicated = sched.params.total, sched.replicated_elems
 
     # ---- memory ------------------------------------------------------------------------------------

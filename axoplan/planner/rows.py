@@ -20,3 +20,11 @@ def distinct_rows(*cols) -> tuple[np.ndarray, np.ndarray]:
         key = key * (hi - lo + 1) + (c - lo)
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return first, inverse.reshape(-1)
+
+
+def on_rows(x, inverse, n: int):
+    """x over n distinct rows (its last axis) as every candidate sees it (inverse: each candidate's row, None:
+    x is the candidates' own); anything without that axis (a scalar, a broadcast axis) as it is."""
+    if inverse is None or not np.ndim(x) or np.shape(x)[-1] != n:
+        return x
+    return np.asarray(x)[..., inverse]

@@ -21,7 +21,7 @@ from axoplan.planner.execution import Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.pipeline import (SCHEDULES, rank_end_times, shared_rank_end_times, sharing_factor,
                                       sharing_factors, stage_blocks, walked)
-from axoplan.planner.rows import distinct_rows
+from axoplan.planner.rows import distinct_rows, on_rows
 from axoplan.planner.schedule import Schedule
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import ModelSpec
@@ -183,7 +183,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     nu = len(cs)
 
     def to_c(x):  # a schedule array on c
-        return x if rows is None or not np.ndim(x) or np.shape(x)[-1] != nu else np.asarray(x)[..., rows]
+        return on_rows(x, rows, nu)
 
     timing = strategy(profile)
     timing.retime(profile, sched)
@@ -401,11 +401,6 @@ def linear_terms(full: dict, ck) -> dict:
 def map_terms(lin: dict, f) -> dict:
     """linear_terms with f applied to each of its arrays."""
     return {k: tuple(tuple((f(a), f(b)) for a, b in ps) for ps in v) for k, v in lin.items()}
-
-
-def bounds(full: dict, after: dict, ck, pp, vpp, m, send, n_layers: int, blocking: bool = False) -> dict:
-    """bounds_of_terms over the stage parts `full` (see there)."""
-    return bounds_of_terms(linear_terms(full, ck), after, pp, vpp, m, send, n_layers, blocking)
 
 
 def bounds_of_terms(lin: dict, after: dict, pp, vpp, m, send, n_layers: int, blocking: bool = False) -> dict:
