@@ -16,7 +16,7 @@ import yaml
 from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.planner.pipeline import SCHEDULES
-from axoplan.planner.space import ORDERS
+from axoplan.planner.space import PLACEMENTS
 from axoplan.yamlio import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -56,8 +56,8 @@ class Goldfish:
 class LaunchConfig:
     model: str = "gpt-tiny"  # preset name or path to a model YAML
     grid: Grid = field(default_factory=Grid)  # each pipeline stage's 4D grid: gx*gy*gz*gdata*pp = world size
-    order: str = "xyz"  # placement of x, y, z, innermost first; data is always outermost
-    pp: int = 1  # pipeline stages (outermost: world rank = stage * grid size + the rank inside the stage's grid)
+    order: str = "xyz"  # placement of x, y, z, innermost first, data outside them; p among them places the pipeline
+    pp: int = 1  # pipeline stages (without p in order outermost: world rank = stage * grid size + the rank in it)
     vpp: int = 1  # virtual stages per pipeline rank (interleaved-1f1b only)
     schedule: str = "1f1b"  # pipeline order (pp > 1): 1f1b or interleaved-1f1b (torch.distributed.pipelining)
     global_batch: int = 8  # sequences per optimizer step, over all GPUs
@@ -105,8 +105,9 @@ class LaunchConfig:
             v = getattr(self.grid, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(f"grid.{name} must be a positive integer, got {inputs.show(v)}")
-        if self.order not in ORDERS:
-            bad(f"order must be one of {', '.join(ORDERS)}, got {inputs.show(self.order)}")
+        if self.order not in PLACEMENTS:
+            bad(f"order must be an order of x, y, z, innermost first, with p among them to place the pipeline axis "
+                f"inside data (one of {', '.join(PLACEMENTS)}), got {inputs.show(self.order)}")
         for name, hi in (("global_batch", inputs.MAX_GLOBAL_BATCH), ("micro_batch", inputs.MAX_GLOBAL_BATCH),
                          ("steps", inputs.MAX_STEPS)):
             v = getattr(self, name)
@@ -122,6 +123,8 @@ class LaunchConfig:
                 bad(f"{name} must be at most {inputs.MAX_GPUS:,}, got {inputs._short(v)}")
         if self.grid.size * self.pp > inputs.MAX_GPUS:
             bad(f"the grid has {self.grid.size * self.pp:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
+        if "p" in self.order and self.pp == 1:
+            bad(f"order {self.order} places the pipeline axis, which needs pp of 2 or more")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {', '.join(SCHEDULES)}, got {inputs.show(self.schedule)}")
         if self.vpp > 1 and self.schedule != "interleaved-1f1b":

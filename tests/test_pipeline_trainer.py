@@ -24,6 +24,8 @@ def _row(**kw):
     ({"schedule": "zb-h1"}, "schedule must be one of 1f1b, interleaved-1f1b"),
     ({"pp": 0}, "pp must be a positive integer"),
     ({"vpp": "two", "schedule": "interleaved-1f1b"}, "vpp must be a positive integer"),
+    ({"order": "xyzp"}, "order xyzp places the pipeline axis, which needs pp of 2 or more"),
+    ({"order": "xyzpp", "pp": 2}, "order must be an order of x, y, z, innermost first, with p among them"),
 ])
 def test_the_schema_refuses_a_bad_pipeline_in_one_sentence(d, needle):
     with pytest.raises(UserError) as e:
@@ -161,3 +163,23 @@ def test_emit_pp_chooses_among_the_trainers_pipelines(tmp_path, capsys):
               "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == "error: --grid 1,2,1,1 with --pp 4 uses 8 GPUs, not --gpus 4"
+
+
+def test_explain_refuses_a_placed_pipeline_without_one(capsys):
+    from axoplan.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "--model", "gpt-tiny", "--machine", "localhost-cpu", "--gpus", "4", "--global-batch", "8",
+              "--grid", "1,2,1,2", "--order", "yxzp"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "error: --order yxzp places the pipeline axis, which needs --pp of 2 or more"
+
+
+def test_a_framework_that_fixes_its_placement_refuses_a_pipeline_inside_data():
+    import axoplan
+
+    e = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp", execution="megatron-core")
+    s = e.summary.iloc[0]
+    assert not s["feasible"] and "megatron-core places its axes yzx (innermost first, the pipeline axis outermost)" in s["reason"]
+    ok = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp").summary.iloc[0]
+    assert ok["feasible"] and ok["order"] == "yxzp"

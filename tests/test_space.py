@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from axoplan.planner.batch import evaluate
 from axoplan.errors import UserError
-from axoplan.planner.space import (ORDERS, distinct_orders, divisibility_masks, divisors, enumerate_space,
+from axoplan.planner.space import (ORDERS, PLACEMENTS, distinct_orders, divisibility_masks, divisors, enumerate_space,
                            factorizations4, grid_problem, micro_batch_choices, strides)
 from axoplan.planner.specs import Job, ModelSpec
 
@@ -121,7 +121,7 @@ def test_distinct_orders_by_hand():
                 min_size=1, max_size=8))
 def test_strides_agree_with_the_rank_formula(rows):
     gx, gy, gz, oi = (np.array(v, dtype=np.int64) for v in zip(*rows))
-    sx, sy, sz, sd = strides(gx, gy, gz, oi)
+    sx, sy, sz, sd, _ = strides(gx, gy, gz, 1, oi, 1)
     for i, (x, y, z, o) in enumerate(rows):
         size = {"x": x, "y": y, "z": z, "d": 1}
         zero = {"x": 0, "y": 0, "z": 0, "d": 0}
@@ -134,9 +134,9 @@ def test_strides_agree_with_the_rank_formula(rows):
 def test_strides_by_hand():
     one = lambda v: np.array([v])  # noqa: E731
     # xyz: x + 2*(y + 3*(z + 4*d))
-    assert [int(s[0]) for s in strides(one(2), one(3), one(4), one(ORDERS.index("xyz")))] == [1, 2, 6, 24]
+    assert [int(s[0]) for s in strides(one(2), one(3), one(4), 1, one(ORDERS.index("xyz")), 1)[:4]] == [1, 2, 6, 24]
     # zyx: z + 4*(y + 3*(x + 2*d))
-    assert [int(s[0]) for s in strides(one(2), one(3), one(4), one(ORDERS.index("zyx")))] == [12, 4, 1, 24]
+    assert [int(s[0]) for s in strides(one(2), one(3), one(4), 1, one(ORDERS.index("zyx")), 1)[:4]] == [12, 4, 1, 24]
 
 
 # ---- the enumerated space ------------------------------------------------------------------
@@ -215,3 +215,33 @@ def test_grid_problem_sentences():
     assert grid_problem(m, 1, 4, 1, 1, 8, 1) is None
     rope = tiny_model(position="rope")
     assert grid_problem(rope, 1, 1, 1, 1, 8, 1, seq_len=4096) is None
+
+
+def test_pipeline_placement_strides_by_hand():
+    def st(order, pp=6):
+        return [int(s[0]) for s in strides(np.array([2]), 3, 4, 5, np.array([PLACEMENTS.index(order)]), pp)]
+
+    # xyz, the pipeline outermost: x + 2*(y + 3*(z + 4*(d + 5*p)))
+    assert st("xyz") == [1, 2, 6, 24, 120]
+    # xypz: x + 2*(y + 3*(p + 6*(z + 4*d)))
+    assert st("xypz") == [1, 2, 36, 144, 6]
+    # xyzp, AxoNN's: x + 2*(y + 3*(z + 4*(p + 6*d)))
+    assert st("xyzp") == [1, 2, 6, 144, 24]
+    # pzyx, the pipeline innermost: p + 6*(z + 4*(y + 3*(x + 2*d)))
+    assert st("pzyx") == [72, 24, 6, 144, 1]
+    assert len(set(PLACEMENTS)) == 30 and PLACEMENTS[:6] == ORDERS
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(1, 3),
+                          st.integers(1, 3), st.integers(0, 29)), min_size=1, max_size=8))
+def test_pipeline_strides_agree_with_the_rank_formula(rows):
+    gx, gy, gz, gd, pp, oi = (np.array(v, dtype=np.int64) for v in zip(*rows))
+    got = strides(gx, gy, gz, gd, oi, pp)
+    for i, (x, y, z, d, p, o) in enumerate(rows):
+        order = PLACEMENTS[o]
+        axes = list(order) + ["d"] + ([] if "p" in order else ["p"])  # data after x, y, z; p outermost unless placed
+        size = dict(zip("xyzdp", (x, y, z, d, p)))
+        for a, s in zip("xyzdp", got):
+            inner = int(np.prod([size[b] for b in axes[:axes.index(a)]]))
+            assert s[i] == inner, (rows[i], a)

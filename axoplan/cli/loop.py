@@ -12,7 +12,7 @@ import click
 from axoplan import inputs
 from axoplan.cli.plan import bundled_execution, execution_option, parse_grid, parse_pp, pipeline_options
 from axoplan.errors import UserError
-from axoplan.planner.space import ORDERS
+from axoplan.planner.space import PLACEMENTS
 
 
 def _job_options(f):
@@ -92,7 +92,8 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
 @click.option("--rank", "rank_k", type=inputs.Count(1), default=None,
               help="Emit the K-th ranked configuration (default 1).")
 @click.option("--grid", default=None, help="Emit this grid GX,GY,GZ,GDATA instead (its best micro-batch).")
-@click.option("--order", default=None, type=click.Choice(list(ORDERS)), help="Placement order with --grid.")
+@click.option("--order", default=None, metavar="ORDER", type=click.Choice(list(PLACEMENTS)),
+              help="Placement order with --grid (p among x, y, z places the pipeline axis).")
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--steps", type=inputs.STEPS, default=10, show_default=True, help="Training steps in the emitted config.")

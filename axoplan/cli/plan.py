@@ -16,7 +16,7 @@ from axoplan.cli import tablefit
 from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
 from axoplan.planner.pipeline import SCHEDULES
-from axoplan.planner.space import ORDERS
+from axoplan.planner.space import PLACEMENTS
 from axoplan.planner.machine import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
 from axoplan.planner.rank import explain as explain_api
@@ -216,8 +216,11 @@ def _format(df, fmt: str) -> str:
 @_common
 @click.option("--top", "-k", type=inputs.Count(1), default=10, show_default=True, help="Show the best K feasible configurations.")
 @click.option("--all", "show_all", is_flag=True, help="Every candidate, infeasible ones too (with their reason).")
-@click.option("--order", default="all", show_default=True, type=click.Choice(list(ORDERS) + ["all"]),
-              help="Placement order of x, y, z, innermost first (data is outermost).")
+@click.option("--order", default="all", show_default=True, metavar="ORDER",
+              type=click.Choice(list(PLACEMENTS) + ["all"]),
+              help="Placement order of x, y, z, innermost first, data outside them (all: every distinct one); "
+                   "with p among them (e.g. xyzp) the pipeline axis sits there, inside data, instead of "
+                   "outermost.")
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size (sequences per GPU).")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
@@ -280,7 +283,9 @@ def one_config(f):
     """The options of commands about one configuration (explain, dryrun), on top of _common's."""
     for opt in reversed((
             click.option("--grid", required=True, help="GX,GY,GZ,GDATA"),
-            click.option("--order", default="xyz", show_default=True, type=click.Choice(list(ORDERS))),
+            click.option("--order", default="xyz", show_default=True, metavar="ORDER", type=click.Choice(list(PLACEMENTS)),
+                         help="x, y, z innermost first, data outside them; p among them places the pipeline axis "
+                              "(else outermost)."),
             click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None,
                          help="Default: the fastest feasible for this grid."),
             click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best",

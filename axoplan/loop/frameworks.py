@@ -94,13 +94,13 @@ def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
     rule rank --execution applies), a schedule it does not have, a grid that does not fill the job."""
     import numpy as np
 
-    from axoplan.planner.space import ORDERS, Candidates
+    from axoplan.planner.space import PLACEMENTS, Candidates
 
     if plan.gpus != job.gpus:
         raise UserError(f"the plan uses {plan.gpus} GPUs (pp x gx x gy x gz x gdata), not the job's {job.gpus}")
-    if plan.order not in ORDERS:
+    if plan.order not in PLACEMENTS:
         raise UserError(f"unknown placement order '{plan.order}'")
-    c = Candidates(*(np.array([v]) for v in (plan.gx, plan.gy, plan.gz, plan.gdata, ORDERS.index(plan.order),
+    c = Candidates(*(np.array([v]) for v in (plan.gx, plan.gy, plan.gz, plan.gdata, PLACEMENTS.index(plan.order),
                                              plan.micro_batch)), np.array([plan.checkpointing]))
     for mask, reason in execution.capability_masks(c):
         if mask[0]:

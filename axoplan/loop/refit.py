@@ -24,7 +24,7 @@ from axoplan import progress
 from axoplan.errors import UserError
 from axoplan.loop.launch import pipeline_of
 from axoplan.planner.pipeline import SCHEDULES
-from axoplan.planner.space import ORDERS
+from axoplan.planner.space import PLACEMENTS
 from axoplan.planner.machine import Corrections, MachineProfile, load_profile
 
 SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",
@@ -103,7 +103,7 @@ def runs_from_results(df: pd.DataFrame, where: str = "results") -> RunSet:
         m = load_model(str(first["model"]))
         seq = seqs[g.index[0]]
         job = Job(int(first["gpus"]), int(first["global_batch"]), seq or m.seq_len).validate()
-        order_idx = np.array([ORDERS.index(o) for o in g["order"]], dtype=np.int8)
+        order_idx = np.array([PLACEMENTS.index(o) for o in g["order"]], dtype=np.int8)
         pipes = [pipeline_of(r) for _, r in g.iterrows()]  # older results (no pipeline columns): pp 1
         c = Candidates(*(g[k].to_numpy(np.int64) for k in ("gx", "gy", "gz", "gdata")), order_idx,
                        g["micro_batch"].to_numpy(np.int64), g["checkpointing"].to_numpy(bool),
@@ -168,7 +168,7 @@ def _check_rows(ok: pd.DataFrame, where: str) -> list:
         if int(np.prod(grid)) * pp != gpus:
             raise UserError(f"{label}: the grid {'x'.join(map(str, grid))}{f' x pp {pp}' if pp > 1 else ''} "
                             f"multiplies to {int(np.prod(grid)) * pp}, not its gpus {gpus}")
-        if r["order"] not in ORDERS:
+        if r["order"] not in PLACEMENTS:
             raise UserError(f"{label}: unknown placement order {r['order']!r}")
     return seqs
 

@@ -226,15 +226,16 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
     """The groups of each axis, plus the two the trainer also uses once per step: 'zd' (Z and D
     together, where samples differ) and 'all' (every GPU). A combined group is as slow as its
     slowest member axis."""
-    sx, sy, sz, sd = strides(c.gx, c.gy, c.gz, c.order)
+    pp = np.asarray(c.pp)
+    sx, sy, sz, sd, sp = strides(c.gx, c.gy, c.gz, c.gdata, c.order, pp)
     size = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata}
     stride = {"x": sx, "y": sy, "z": sz, "d": sd}
     busbw = {a: profile.group_busbw(size[a], stride[a]) for a in size}
     lat = {a: profile.group_latency(size[a], stride[a]) for a in size}
     inside = {a: profile.group_inside(size[a], stride[a]) for a in size}
-    # the pipeline axis, outermost: a stage's rank sends to the rank of the next stage with the same coordinates
-    pp = np.asarray(c.pp)
-    size["p"], stride["p"] = pp, c.gx * c.gy * c.gz * c.gdata
+    # the pipeline axis (outermost unless the order places it): a stage's rank sends to the rank of the next
+    # stage with the same coordinates
+    size["p"], stride["p"] = pp, sp
     pair = np.minimum(pp, 2)  # a transfer between stages is a pair of GPUs
     busbw["p"], lat["p"] = profile.group_busbw(pair, stride["p"]), profile.group_latency(pair, stride["p"])
     inside["p"] = profile.group_inside(pair, stride["p"])

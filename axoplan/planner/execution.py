@@ -135,8 +135,9 @@ class Execution:
     low_precision_grads_kept: bool = False
     # the grid axes the framework can split (x, y, z, d = data); a candidate with another axis > 1 cannot run there
     grid_axes: str = "xyzd"
-    # the placement it realises, innermost first (its device mesh's order), or "" for any: only the order of the
-    # axes > 1 counts, as an axis of size 1 takes no place
+    # the placement it realises, innermost first (its device mesh's order; one of space.PLACEMENTS: without p the
+    # pipeline axis is outermost), or "" for any: only the order of the axes > 1 counts, as an axis of size 1
+    # takes no place
     placement: str = ""
     # the micro-batch is split over the gx * gy tensor-parallel ranks (AxoNN's non-expert Linear layers gather
     # their X x Y group's sequences), so it must be a multiple of gx * gy
@@ -164,7 +165,7 @@ class Execution:
     def capability_masks(self, c) -> list[tuple[np.ndarray, str]]:
         """(violated mask, reason) for every candidate of c this framework cannot express, as
         space.divisibility_masks (the reasons are formatted with the row's gx, gy, gz, gdata)."""
-        from axoplan.planner.space import ORDERS
+        from axoplan.planner.space import PLACEMENTS, layout
 
         rules = []
         for axis, name in (("x", "gx"), ("y", "gy"), ("z", "gz"), ("d", "gdata")):
@@ -172,16 +173,22 @@ class Execution:
                 rules.append((np.asarray(getattr(c, name)) > 1,
                               f"{self.name} cannot split {name} > 1 ({name}={{{name}}}): it has no {AXIS_NAMES[axis]}"))
         if self.placement:
-            sizes = {"x": np.asarray(c.gx), "y": np.asarray(c.gy), "z": np.asarray(c.gz)}
+            sizes = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata, "p": c.pp}
+            sizes = {a: np.asarray(v) for a, v in sizes.items()}
             order = np.asarray(c.order)
+            own = layout(self.placement)
             bad = np.zeros(np.shape(order), dtype=bool)
-            for i, o in enumerate(ORDERS):
+            present = np.bincount(np.ravel(order).astype(np.int64), minlength=len(PLACEMENTS)) > 0
+            for i in np.nonzero(present)[0]:
                 # the axes > 1 must come in the framework's order: every pair it has the other way round is a clash
-                for a in o:
-                    for b in o[o.index(a) + 1:]:
-                        if self.placement.index(a) > self.placement.index(b):
-                            bad |= (order == i) & (sizes[a] > 1) & (sizes[b] > 1)
-            rules.append((bad, f"{self.name} places its axes {self.placement} (innermost first), not this order"))
+                lo = layout(PLACEMENTS[i])
+                clash = [(a, b) for j, a in enumerate(lo) for b in lo[j + 1:] if own.index(a) > own.index(b)]
+                if clash:
+                    hit = np.logical_or.reduce([(sizes[a] > 1) & (sizes[b] > 1) for a, b in clash])
+                    bad |= (order == i) & hit
+            where = "" if "p" in self.placement else ", the pipeline axis outermost"
+            rules.append((bad, f"{self.name} places its axes {self.placement} (innermost first{where}), "
+                               "not this order"))
         if self.micro_batch_over_tensor:
             tensor = np.asarray(c.gx) * np.asarray(c.gy)
             rules.append((np.asarray(c.micro_batch) % tensor != 0,
@@ -316,10 +323,11 @@ PRESETS = {
     # what `emit --framework axonn` writes: AxoNN's own Linear layers and overlaps, the algorithm the bundled
     # trainer follows; its rank order is fixed (axonn/communication.py: column fastest, then row, then depth)
     "axonn": Execution(
-        "axonn", placement="xyz", micro_batch_over_tensor=True,
+        "axonn", placement="xyzp", micro_batch_over_tensor=True,
         source="AxoNN 0.2.0 (axonn.init, axonn.intra_layer.Linear, optimize_communication) as `emit --framework "
                "axonn` writes it: the bundled trainer's algorithm (fp32 weights cast under autocast, OAR/ORS/OAG); "
-               "ranks placed column (X) fastest, then row (Y), depth (Z), data (axonn/communication.py)"),
+               "ranks placed column (X) fastest, then row (Y), depth (Z), inter-layer (G_inter), data "
+               "(axonn/communication.py: inter_layer_parallel_rank = (world_rank // G_intra) % G_inter)"),
 }
 
 
@@ -329,17 +337,21 @@ CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elemen
            "gradient_accumulation": GRADIENT_ACCUMULATION, "recompute": RECOMPUTE,
            "attention": ATTENTION, "pipeline": PIPELINE, "pipeline_buffers": PIPELINE_BUFFERS}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
-                  "first, or empty for any; pipeline: which schedules it runs")
+                  "first (p among them: where its pipeline axis sits inside data; without p it is outermost), or "
+                  "empty for any; pipeline: which schedules it runs")
 
 
 def _check(e: Execution, where: str) -> Execution:
+    from axoplan.planner.space import PLACEMENTS
+
     for name, allowed in CHOICES.items():
         if getattr(e, name) not in allowed:
             raise UserError(f"{where}: {name} must be one of {', '.join(allowed)}, not {inputs.show(getattr(e, name))}")
     if not e.grid_axes or set(e.grid_axes) - set("xyzd") or len(set(e.grid_axes)) != len(e.grid_axes):
         raise UserError(f"{where}: grid_axes must be distinct letters of x, y, z, d, not '{e.grid_axes}'")
-    if e.placement and sorted(e.placement) != ["x", "y", "z"]:
-        raise UserError(f"{where}: placement must be an order of x, y, z (innermost first) or empty, not '{e.placement}'")
+    if e.placement and e.placement not in PLACEMENTS:
+        raise UserError(f"{where}: placement must be an order of x, y, z (innermost first, p among them to place the "
+                        f"pipeline axis inside data) or empty, not '{e.placement}'")
     if e.overlap_param_gather and e.optimizer_sharding != "data-parallel":
         raise UserError(f"{where}: overlap_param_gather needs optimizer_sharding: data-parallel")
     return e

@@ -19,7 +19,7 @@ from axoplan.errors import UserError
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
 from axoplan.planner.pipeline import SCHEDULES, stage_blocks
 from axoplan.planner.schedule import Window
-from axoplan.planner.space import ORDERS, Candidates, enumerate_space, pipeline_choices, pipeline_masks
+from axoplan.planner.space import PLACEMENTS, Candidates, layout, enumerate_space, pipeline_choices, pipeline_masks
 from axoplan.planner.specs import Job, ModelSpec, load_model
 from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
@@ -67,7 +67,7 @@ def _columns(ev: Evaluation, c: Candidates, idx: np.ndarray, profile: MachinePro
         cols = {
             "rank": np.arange(1, len(idx) + 1),
             "gx": c.gx[idx], "gy": c.gy[idx], "gz": c.gz[idx], "gdata": c.gdata[idx],
-            "order": np.array(ORDERS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
+            "order": np.array(PLACEMENTS)[c.order[idx]], "micro_batch": c.micro_batch[idx],
             "checkpointing": c.checkpointing[idx], "batch_time_s": ev.batch_time[idx], "compute_s": ev.compute[idx],
             "comm_s": ev.comm[idx], "exposed_comm_s": ev.exposed_comm[idx], "memory_gib": ev.memory.total[idx] / GIB,
             "tflops_per_gpu": tflops, "pct_of_peak": 100 * tflops * 1e12 / profile.peak_flops,
@@ -277,6 +277,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
 
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ex = load_execution(execution)
+    if "p" in order and pp == 1:
+        raise UserError(f"--order {order} places the pipeline axis, which needs --pp of 2 or more")
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     sched_name = schedule or ("interleaved-1f1b" if vpp is not None and vpp > 1 else "1f1b")
     # schedule "all": the fastest feasible of the schedules (and virtual stages) the execution runs at this pp
@@ -354,6 +356,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                       f"memory: the job's is pipeline rank {mrank}'s ({'last' if mrank else 'first'} stage); "
                       f"collectives listed: pipeline rank {critical}'s (its stages' windows, its gradient "
                       f"reduction and its transfers)"]
+        placed = PLACEMENTS[int(one.order[0])]
+        step_notes.append(f"ranks placed {layout(placed)} (innermost first): the pipeline axis "
+                          + ("outermost" if "p" not in placed else "inside data") + ", neighbouring stages "
+                          f"{int(np.ravel(g.stride['p'])[0])} ranks apart")
     else:
         step_notes = [(f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
                        f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s")]

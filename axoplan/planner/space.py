@@ -15,8 +15,12 @@ import numpy as np
 from axoplan.errors import UserError
 from axoplan.planner.specs import ModelSpec
 
-# placement orders of the three tensor axes, innermost first (data is always outermost)
+# placement orders of the three tensor axes, innermost first (data outside them, the pipeline axis outermost)
 ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
+# the same with the pipeline axis p placed inside data, among or after the tensor axes (AxoNN's own is "xyzp":
+# axonn/communication.py ranks inter-layer between intra-layer and data); a candidate's order indexes PLACEMENTS
+PIPELINE_ORDERS = tuple(o[:i] + "p" + o[i:] for o in ORDERS for i in range(4))
+PLACEMENTS = ORDERS + PIPELINE_ORDERS
 
 AXES = "xyz"
 MAX_CANDIDATES = 2_000_000
@@ -66,21 +70,34 @@ def distinct_orders(grids: np.ndarray) -> np.ndarray:
     return keep
 
 
-def strides(gx, gy, gz, order_idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rank distance between neighbours of each axis (the product of the sizes of the axes placed
-    inside it): (stride_x, stride_y, stride_z, stride_data)."""
-    sizes = {"x": gx, "y": gy, "z": gz}
-    out = {a: np.ones_like(gx) for a in AXES}
-    order_idx = np.asarray(order_idx)
-    for i, o in enumerate(ORDERS):
+def layout(order: str) -> str:
+    """The five axes of a placement, innermost first: the order's, data, and the pipeline axis outermost
+    unless the order places it."""
+    return order + "d" if "p" in order else order + "dp"
+
+
+def tensor_order(order: str) -> str:
+    """The order of x, y and z alone (what a placement is without a pipeline)."""
+    return order.replace("p", "")
+
+
+def strides(gx, gy, gz, gdata, order_idx, pp) -> tuple[np.ndarray, ...]:
+    """Rank distance between neighbours of each axis (the product of the sizes of the axes placed inside it),
+    order_idx into PLACEMENTS: (stride_x, stride_y, stride_z, stride_data, stride_pipeline)."""
+    gx = np.asarray(gx, dtype=np.int64)
+    order_idx = np.broadcast_to(np.asarray(order_idx), gx.shape)
+    sizes = {"x": gx, "y": gy, "z": gz, "d": gdata, "p": pp}
+    sizes = {a: np.broadcast_to(np.asarray(v, dtype=np.int64), gx.shape) for a, v in sizes.items()}
+    out = {a: np.ones(gx.shape, dtype=np.int64) for a in "xyzdp"}
+    present = np.bincount(np.ravel(order_idx).astype(np.int64), minlength=len(PLACEMENTS)) > 0
+    for i in np.nonzero(present)[0]:
+        o = PLACEMENTS[i]
         sel = order_idx == i
-        if not np.any(sel):
-            continue
         inner = np.ones(int(sel.sum()), dtype=np.int64)
-        for a in o:
+        for a in layout(o):
             out[a][sel] = inner
             inner = inner * sizes[a][sel]
-    return out["x"], out["y"], out["z"], gx * gy * gz
+    return out["x"], out["y"], out["z"], out["d"], out["p"]
 
 
 @dataclass
@@ -89,10 +106,10 @@ class Candidates:
     gy: np.ndarray
     gz: np.ndarray
     gdata: np.ndarray
-    order: np.ndarray  # index into ORDERS
+    order: np.ndarray  # index into PLACEMENTS (ORDERS first: the pipeline axis outermost)
     micro_batch: np.ndarray
     checkpointing: np.ndarray  # bool
-    pp: np.ndarray | None = None  # pipeline stages (None: 1); the pipeline axis is outermost, outside data
+    pp: np.ndarray | None = None  # pipeline stages (None: 1); outermost unless the order places the axis
     vpp: np.ndarray | None = None  # virtual stages per pipeline rank (interleaved; None: 1)
     schedule: np.ndarray | None = None  # index into pipeline.SCHEDULES (None: 1f1b)
 
@@ -174,9 +191,11 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
                     grid: tuple[int, int, int, int] | None = None, pipelines=((1, 1, 0),)) -> Candidates:
     """Every candidate of the space, infeasible ones included (feasibility is the cost model's job).
     pipelines: the (pp, vpp, schedule index) to combine with every grid of gpus / pp (pipeline_choices);
-    a given grid multiplies to gpus / pp."""
-    if orders != "all" and orders not in ORDERS:
-        raise UserError(f"--order must be one of {', '.join(ORDERS)} or all, got '{orders}'")
+    a given grid multiplies to gpus / pp. orders: "all" (the distinct ORDERS, the pipeline axis outermost) or one
+    of PLACEMENTS (one that places the pipeline axis applies to the pipelined candidates; the others take its
+    order of x, y, z)."""
+    if orders != "all" and orders not in PLACEMENTS:
+        raise UserError(f"--order must be one of {', '.join(PLACEMENTS)} or all, got '{orders}'")
     if micro_batch is not None:
         if micro_batch <= 0:
             raise UserError(f"--micro-batch must be a positive integer, got {micro_batch}")
@@ -198,8 +217,8 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
         if orders == "all":
             keep = distinct_orders(grids)
         else:
-            keep = np.zeros((len(grids), len(ORDERS)), dtype=bool)
-            keep[:, ORDERS.index(orders)] = True
+            keep = np.zeros((len(grids), len(PLACEMENTS)), dtype=bool)
+            keep[:, PLACEMENTS.index(orders if pp > 1 else tensor_order(orders))] = True
         gi, oi = np.nonzero(keep)
         blocks.append((pp, vpp, sched, grids, gi, oi))
         n += len(gi) * len(mbs) * len(ck)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from axoplan.runconfig import LaunchConfig
-from axoplan.runtime.grid import build_grid
+from axoplan.runtime.grid import build_grid, stage_first_rank
 from axoplan.runtime.memtrace import KINDS, MemoryTracer
 from axoplan.runtime.train import DTYPES, Resolved, Trainer
 
@@ -46,7 +46,7 @@ def trace_step(cfg: LaunchConfig, dtype: str = "bf16", modes: tuple = (), fused_
     collective dtype of the run being traced (bf16 as on GPUs); modes: more dispatch modes to run the
     step under (each may have attach(trainer), and reset() called where the steady step starts);
     fused_optimizer: AdamW as one fused kernel (GPU runs) or per tensor (the CPU trainer); rank: the world
-    rank traced (a pipeline stage's first rank is stage * the grid's size)."""
+    rank traced (grid.stage_first_rank gives a pipeline stage's first)."""
     g = cfg.grid
     _fake_world(cfg.world, rank)
     try:
@@ -184,7 +184,6 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
     one = ex.detail["candidate"]
     mb, ck = int(one.micro_batch[0]), bool(one.checkpointing[0])
     vpp_, sched_name = int(one.vpp[0]), SCHEDULES[int(one.schedule[0])]
-    G = grid[0] * grid[1] * grid[2] * grid[3]
     m = global_batch // (grid[2] * grid[3] * mb)
     # past the warm-up no rank holds more in flight and the steady state repeats: trace as many micro-batches
     traced_m = int(peak_micro_batches(sched_name, pp, m))
@@ -203,7 +202,8 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
     p2p_bytes = float(np.ravel(sched.p2p_bytes)[0])
     stages = []
     for kind, s in (("first", 0), ("last", pp - 1)):
-        tr = trace_step(cfg, dtype, fused_optimizer=profile.kind == "gpu", rank=s * G)
+        first = stage_first_rank(*map(int, grid), order, pp, s)
+        tr = trace_step(cfg, dtype, fused_optimizer=profile.kind == "gpu", rank=first)
         mem = d["stage_memory"][kind]
         by_kind = {KIND_NAMES[k]: {"predicted": float(np.ravel(getattr(mem, k))[0]) / GIB,
                                    "traced": tr.peak_by_kind.get(KIND_NAMES[k], 0) / GIB} for k in MODEL_KINDS}
@@ -233,7 +233,7 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
                          and all(t[4] <= position.get(("F" if t[1] == "activation" else "B", t[2], t[3]), -1)
                                  for t in got if t[0] == "recv")),
         }
-        stages.append({"stage": kind, "pipeline_rank": s, "world_rank": s * G,
+        stages.append({"stage": kind, "pipeline_rank": s, "world_rank": first,
                        "predicted_memory_gib": float(np.ravel(mem.total)[0]) / GIB,
                        "traced_memory_gib": tr.peak_bytes / GIB, "memory_by_kind": by_kind,
                        "predicted_peak_at": mem.where(0), "traced_peak_at": tr.peak_where,

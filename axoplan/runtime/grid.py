@@ -1,11 +1,12 @@
-"""Rank placement and process groups of the 4D grid (data x Z x Y x X).
+"""Rank placement and process groups of the 4D grid (data x Z x Y x X) and the pipeline stages.
 
-Placement follows the planner's contract: `order` names x, y, z innermost first and data is
-always outermost, so for order "xyz" world_rank = x + gx*(y + gy*(z + gz*d)). With a pipeline the stage p
-is outermost of all: world_rank = p * (gx*gy*gz*gdata) + that rank, each stage on its own 4D sub-grid, and
-the pipeline group ("p") joins the ranks of equal (x, y, z, d) across the stages.
-Along any single axis the world rank grows with that axis' coordinate, so the rank inside a
-one-axis group equals the coordinate on that axis (the flat Z shards rely on it).
+Placement follows the planner's contract (planner.space.layout): `order` names x, y, z innermost first and
+data comes after them, so for order "xyz" world_rank = x + gx*(y + gy*(z + gz*d)). The pipeline stage p is
+outermost unless the order places it: for "xyz", world_rank = p * (gx*gy*gz*gdata) + that rank; for "xyzp"
+(AxoNN's), p sits between z and data. Each stage has its own 4D sub-grid, and the pipeline group ("p") joins
+the ranks of equal (x, y, z, d) across the stages. Along any single axis the world rank grows with that
+axis' coordinate, so the rank inside a one-axis group equals the coordinate on that axis (the flat Z shards
+rely on it).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from axoplan.planner.space import layout
+
 AXES = ("x", "y", "z", "d")
 
 
@@ -25,24 +28,25 @@ class Coords:
     y: int
     z: int
     d: int
+    p: int = 0  # the pipeline stage
 
 
-def _sizes(gx: int, gy: int, gz: int, gdata: int, order: str) -> list[tuple[str, int]]:
-    size = {"x": gx, "y": gy, "z": gz}
-    return [(a, size[a]) for a in order] + [("d", gdata)]
+def _sizes(gx: int, gy: int, gz: int, gdata: int, order: str, pp: int = 1) -> list[tuple[str, int]]:
+    size = {"x": gx, "y": gy, "z": gz, "d": gdata, "p": pp}
+    return [(a, size[a]) for a in layout(order)]
 
 
-def rank_of(c: Coords, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> int:
+def rank_of(c: Coords, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: int = 1) -> int:
     rank, stride = 0, 1
-    for axis, n in _sizes(gx, gy, gz, gdata, order):
+    for axis, n in _sizes(gx, gy, gz, gdata, order, pp):
         rank += getattr(c, axis) * stride
         stride *= n
     return rank
 
 
-def coords_of(rank: int, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz") -> Coords:
+def coords_of(rank: int, gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: int = 1) -> Coords:
     vals = {}
-    for axis, n in _sizes(gx, gy, gz, gdata, order):
+    for axis, n in _sizes(gx, gy, gz, gdata, order, pp):
         vals[axis] = rank % n
         rank //= n
     return Coords(**vals)
@@ -104,9 +108,13 @@ def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: in
     n4 = gx * gy * gz * gdata
     if n4 * pp != world:
         raise ValueError(f"grid {gx}x{gy}x{gz}x{gdata} x pp {pp} does not match world size {world}")
-    me = coords_of(rank % n4, gx, gy, gz, gdata, order)
-    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me, pp=pp, stage=rank // n4)
+    me = coords_of(rank, gx, gy, gz, gdata, order, pp)
+    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me, pp=pp, stage=me.p)
     sizes = {"x": gx, "y": gy, "z": gz, "d": gdata}
+
+    def world_rank(**c) -> int:
+        return rank_of(Coords(**c), gx, gy, gz, gdata, order, pp)
+
     for p in range(pp):
         for name, varying in (("x", ("x",)), ("y", ("y",)), ("z", ("z",)), ("d", ("d",)), ("zd", ("z", "d"))):
             n = 1
@@ -118,17 +126,22 @@ def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: in
             for fixed_vals in itertools.product(*(range(sizes[a]) for a in fixed)):
                 members = []
                 for var_vals in itertools.product(*(range(sizes[a]) for a in varying)):
-                    c = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
-                    members.append(p * n4 + rank_of(Coords(**c), gx, gy, gz, gdata, order))
+                    members.append(world_rank(p=p, **dict(zip(fixed, fixed_vals)), **dict(zip(varying, var_vals))))
                 members.sort()
                 g = dist.new_group(members)
                 grid._owned.append(g)
                 if rank in members:
                     grid.groups[name] = g
     if pp > 1:  # the stages' ranks of one 4D coordinate, in stage order (the group rank is the stage)
-        for local in range(n4):
-            g = dist.new_group([p * n4 + local for p in range(pp)])
+        for vals in itertools.product(*(range(sizes[a]) for a in AXES)):
+            members = [world_rank(p=p, **dict(zip(AXES, vals))) for p in range(pp)]
+            g = dist.new_group(members)
             grid._owned.append(g)
-            if rank % n4 == local:
+            if rank in members:
                 grid.groups["p"] = g
     return grid
+
+
+def stage_first_rank(gx: int, gy: int, gz: int, gdata: int, order: str, pp: int, stage: int) -> int:
+    """The world rank of a pipeline stage's first rank (its 4D coordinates all 0)."""
+    return rank_of(Coords(0, 0, 0, 0, stage), gx, gy, gz, gdata, order, pp)

@@ -17,7 +17,8 @@ class PipelineTrainer(Trainer):
         super().__init__(cfg, grid, res, **kw)
         self.pipeline = Pipeline(cfg, self.model, self.rt, grid, res.device, res.compute_dtype, self.grad_acc,
                                  self.seq)
-        self.reporting = grid.stage == grid.pp - 1 and grid.rank % grid.stage_size == 0
+        c = grid.coords  # the last stage's first rank holds the loss
+        self.reporting = grid.stage == grid.pp - 1 and c.x == c.y == c.z == c.d == 0
 
     def model_slice(self) -> dict:
         return rank_slice(self.spec.n_layers, self.cfg.pp, self.cfg.vpp, self.grid.stage)

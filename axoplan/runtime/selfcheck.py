@@ -138,6 +138,12 @@ def pipeline_cases(world: int) -> list[Case]:
             if not any(c.pp == pp and c.schedule == schedule for c in cases):
                 g = next(g for p, g in grids if p == pp)
                 cases.append(_pipeline_case(g, pp, 1 if schedule == "1f1b" else 2, schedule, ck))
+    # the pipeline axis placed inside data: innermost, between the tensor axes, and AxoNN's xyzp
+    placed = {4: [((1, 2, 1, 1), 2, "pyxz", "1f1b", False), ((1, 1, 1, 2), 2, "xyzp", "interleaved-1f1b", True)],
+              8: [((2, 1, 1, 2), 2, "xpyz", "interleaved-1f1b", False), ((1, 1, 1, 2), 4, "xyzp", "1f1b", True)]}
+    for g, pp, order, schedule, ck in placed.get(world, []):
+        cases.append(dataclasses.replace(_pipeline_case(g, pp, 1 if schedule == "1f1b" else 2, schedule, ck),
+                                         order=order))
     return cases
 
 
