@@ -265,6 +265,42 @@ def test_megatron_arguments_without_the_package(tmp_path):
     assert "--num-layers-per-virtual-pipeline-stage" not in w and "--sequence-parallel" in w
 
 
+@pytest.mark.parametrize("order,megatron_order", [("yzx", "tp-cp-ep-dp-pp"), ("yzxp", "tp-cp-ep-pp-dp")])
+def test_megatrons_own_rank_groups_are_the_planned_placement(tmp_path, order, megatron_order):
+    """The pipeline outermost, or just inside data with --use-tp-pp-dp-mapping: megatron.core's RankGenerator with
+    the order the arguments select gives the tensor, data and pipeline groups the planner's strides name."""
+    import numpy as np
+
+    from axoplan.planner.space import PLACEMENTS, strides
+
+    plan = Plan(1, 2, 1, 2, order, 1, False, pp=4, vpp=1, schedule="1f1b")
+    _direct("megatron", plan, tmp_path / "pp")
+    assert ("--use-tp-pp-dp-mapping" in megatron_words(tmp_path / "pp")) == ("p" in order)
+    need("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=4, cp=1, order=megatron_order)
+    sx, sy, sz, sd, sp = (int(v[0]) for v in strides(np.array([1]), 2, 1, 2, np.array([PLACEMENTS.index(order)]), 4))
+    world = 16
+
+    def groups(stride, size):
+        starts = sorted({r - (r // stride % size) * stride for r in range(world)})
+        return sorted([s + i * stride for i in range(size)] for s in starts)
+
+    assert sorted(gen.get_ranks("tp")) == groups(sy, 2)
+    assert sorted(gen.get_ranks("dp")) == groups(sd, 2)
+    assert sorted(gen.get_ranks("pp")) == groups(sp, 4)
+
+
+def test_megatron_refuses_a_pipeline_it_cannot_place():
+    import axoplan
+
+    s = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="pyxz", execution="megatron-core").summary.iloc[0]
+    assert not s["feasible"] and "the pipeline axis outermost or just inside data" in s["reason"]
+    assert axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp",
+                           execution="megatron-core").summary.iloc[0]["feasible"]
+
+
 # ---- AxoNN -------------------------------------------------------------------------------------------
 def axonn_entry(folder: Path):
     spec = importlib.util.spec_from_file_location("axoplan_emitted_axonn", folder / "train_axonn.py")

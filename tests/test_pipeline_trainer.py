@@ -178,8 +178,8 @@ def test_explain_refuses_a_placed_pipeline_without_one(capsys):
 def test_a_framework_that_fixes_its_placement_refuses_a_pipeline_inside_data():
     import axoplan
 
-    e = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp", execution="megatron-core")
+    e = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp", execution="torchtitan")
     s = e.summary.iloc[0]
-    assert not s["feasible"] and "megatron-core places its axes yzx (innermost first, the pipeline axis outermost)" in s["reason"]
+    assert not s["feasible"] and "torchtitan places its axes yzx (innermost first, the pipeline axis outermost)" in s["reason"]
     ok = axoplan.explain("gpt-20b", "dgx-a100", 64, 64, (1, 8, 1, 2), pp=4, order="yxzp").summary.iloc[0]
     assert ok["feasible"] and ok["order"] == "yxzp"

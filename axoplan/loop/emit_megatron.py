@@ -5,7 +5,8 @@ megatron-core 0.16.1 on PyPI, whose config classes the tests build from these ar
 Megatron-LM turns its arguments into megatron.core's config dataclasses field by field, an argument whose
 name is a field's name becoming that field (megatron/training/arguments.py, core_transformer_config_from_args),
 with a few translations; tests/test_frameworks.py does the same (documented in docs/frameworks.md). Its
-process groups nest tp innermost, then cp, dp, pp ('tp-cp-ep-dp-pp', megatron/core/parallel_state.py).
+process groups nest tp innermost, then cp, dp, pp ('tp-cp-ep-dp-pp', megatron/core/parallel_state.py), or with
+the pipeline just inside data (an order with p last, e.g. yzxp) pp before dp: --use-tp-pp-dp-mapping ('tp-cp-ep-pp-dp').
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def arguments(plan, model, job, profile, execution, steps: int = 10) -> list[tup
 
     add("--tensor-model-parallel-size", plan.gy, why="gy")
     add("--pipeline-model-parallel-size", plan.pp, why="pp")
+    if plan.pp > 1 and "p" in plan.order and plan.gdata > 1:
+        add("--use-tp-pp-dp-mapping", why=f"order {plan.order}: the pipeline inside data (ranks tp-cp-ep-pp-dp)")
     if plan.vpp > 1:
         add("--num-layers-per-virtual-pipeline-stage", plan.layers_per_stage(model.n_layers),
             why=f"vpp={plan.vpp}: the interleaved 1F1B schedule")

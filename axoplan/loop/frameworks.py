@@ -222,7 +222,7 @@ FRAMEWORKS = {"torchtitan": "emit_torchtitan", "megatron": "emit_megatron", "axo
 EXECUTIONS = {"axoplan": "axoplan", "torchtitan": "torchtitan", "megatron": "megatron-core", "axonn": "axonn"}
 
 
-CAPABILITY = ("grid_axes", "placement", "pipeline", "micro_batch_over_tensor")
+CAPABILITY = ("grid_axes", "placement", "pipeline_inside_data", "pipeline", "micro_batch_over_tensor")
 
 
 def framework_execution(framework: str, execution=None):

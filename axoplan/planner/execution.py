@@ -139,6 +139,9 @@ class Execution:
     # pipeline axis is outermost), or "" for any: only the order of the axes > 1 counts, as an axis of size 1
     # takes no place
     placement: str = ""
+    # it can also put its pipeline axis just inside data, the placement with p before d (Megatron-LM's
+    # --use-tp-pp-dp-mapping: process groups in the order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp)
+    pipeline_inside_data: bool = False
     # the micro-batch is split over the gx * gy tensor-parallel ranks (AxoNN's non-expert Linear layers gather
     # their X x Y group's sequences), so it must be a multiple of gx * gy
     micro_batch_over_tensor: bool = False
@@ -176,17 +179,22 @@ class Execution:
             sizes = {"x": c.gx, "y": c.gy, "z": c.gz, "d": c.gdata, "p": c.pp}
             sizes = {a: np.asarray(v) for a, v in sizes.items()}
             order = np.asarray(c.order)
-            own = layout(self.placement)
+            owns = [layout(self.placement)]
+            if self.pipeline_inside_data and "p" not in self.placement:
+                owns.append(layout(self.placement + "p"))
             bad = np.zeros(np.shape(order), dtype=bool)
             present = np.bincount(np.ravel(order).astype(np.int64), minlength=len(PLACEMENTS)) > 0
             for i in np.nonzero(present)[0]:
-                # the axes > 1 must come in the framework's order: every pair it has the other way round is a clash
+                # the axes > 1 must come in one of the framework's orders: a pair it has the other way round clashes
                 lo = layout(PLACEMENTS[i])
-                clash = [(a, b) for j, a in enumerate(lo) for b in lo[j + 1:] if own.index(a) > own.index(b)]
-                if clash:
-                    hit = np.logical_or.reduce([(sizes[a] > 1) & (sizes[b] > 1) for a, b in clash])
-                    bad |= (order == i) & hit
-            where = "" if "p" in self.placement else ", the pipeline axis outermost"
+                hits = []
+                for own in owns:
+                    clash = [(a, b) for j, a in enumerate(lo) for b in lo[j + 1:] if own.index(a) > own.index(b)]
+                    hits.append(np.logical_or.reduce([(sizes[a] > 1) & (sizes[b] > 1) for a, b in clash])
+                                if clash else np.zeros(np.shape(order), dtype=bool))
+                bad |= (order == i) & np.logical_and.reduce(hits)
+            where = ("" if "p" in self.placement else
+                     ", the pipeline axis outermost" + (" or just inside data" if len(owns) > 1 else ""))
             rules.append((bad, f"{self.name} places its axes {self.placement} (innermost first{where}), "
                                "not this order"))
         if self.micro_batch_over_tensor:
@@ -281,7 +289,7 @@ PRESETS = {
         "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
         pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer",
-        grid_axes="yd", placement="yzx",
+        grid_axes="yd", placement="yzx", pipeline_inside_data=True,
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
@@ -290,7 +298,7 @@ PRESETS = {
         "megatron-lm", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,
         pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer",
-        grid_axes="yd", placement="yzx",
+        grid_axes="yd", placement="yzx", pipeline_inside_data=True,
         source="Megatron-LM with sequence parallelism as in Korthikanti et al. 2022 (arXiv 2205.05198): its "
                "selective recomputation of the attention core (their Section 4.2), the core unfused as it was "
                "before FlashAttention (baddbmm, FusedScaleMaskSoftmax, attention dropout 0.1, bmm; their "
@@ -338,7 +346,8 @@ CHOICES = {"weights": WEIGHTS, "optimizer_sharding": OPTIMIZER_SHARDING, "elemen
            "attention": ATTENTION, "pipeline": PIPELINE, "pipeline_buffers": PIPELINE_BUFFERS}
 CAPABILITY_DOC = ("grid_axes: the axes it can split (of x, y, z, d); placement: its fixed order of x, y, z innermost "
                   "first (p among them: where its pipeline axis sits inside data; without p it is outermost), or "
-                  "empty for any; pipeline: which schedules it runs")
+                  "empty for any; pipeline_inside_data: it can also put the pipeline just inside data; pipeline: which "
+                  "schedules it runs")
 
 
 def _check(e: Execution, where: str) -> Execution:
