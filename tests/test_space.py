@@ -245,3 +245,46 @@ def test_pipeline_strides_agree_with_the_rank_formula(rows):
         for a, s in zip("xyzdp", got):
             inner = int(np.prod([size[b] for b in axes[:axes.index(a)]]))
             assert s[i] == inner, (rows[i], a)
+
+
+def test_every_keeps_exactly_the_distinct_pipeline_placements():
+    """Placements with the pipeline: by hand, the positions p can take among the axes > 1 (data after x, y, z),
+    and, over many grids, the kept ones are exactly the distinct sets of groups of the five axes."""
+    def count(grid, pp):
+        return int(distinct_orders(np.array([grid]), pp, PLACEMENTS)[0].sum())
+
+    assert count((2, 1, 1, 2), 2) == 3  # p before x, between x and d, after d
+    assert count((2, 2, 1, 1), 2) == 6  # x, y in 2 orders x p in 3 places (after y: inside or outside data alike)
+    assert count((1, 1, 1, 4), 2) == 2
+    assert count((2, 2, 2, 2), 2) == 30
+
+    def groups(grid, pp, order):
+        size = dict(zip("xyzdp", (*map(int, grid), pp)))
+        axes = list(order) + ["d"] + ([] if "p" in order else ["p"])
+
+        def rank(c):
+            r, mult = 0, 1
+            for a in axes:
+                r, mult = r + c[a] * mult, mult * size[a]
+            return r
+        out = []
+        for axis in "xyzdp":
+            others = [a for a in "xyzdp" if a != axis]
+            out.append(frozenset(frozenset(rank({**dict(zip(others, f)), axis: v}) for v in range(size[axis]))
+                                 for f in itertools.product(*(range(size[a]) for a in others))))
+        return tuple(out)
+
+    for g in (4, 8, 12):
+        for grid in factorizations4(g):
+            keep = distinct_orders(np.array([grid]), 2, PLACEMENTS)[0]
+            pl = [groups(grid, 2, o) for o in PLACEMENTS]
+            kept = [pl[i] for i in range(len(PLACEMENTS)) if keep[i]]
+            assert len(set(kept)) == len(kept) and set(kept) == set(pl), grid
+
+
+def test_rank_every_adds_the_placements_to_the_pipelined_candidates_only():
+    c_all = enumerate_space(16, 16, "all", micro_batch=1, checkpointing="off", pipelines=((1, 1, 0), (2, 1, 0)))
+    c_every = enumerate_space(16, 16, "every", micro_batch=1, checkpointing="off", pipelines=((1, 1, 0), (2, 1, 0)))
+    assert int((c_every.pp == 1).sum()) == int((c_all.pp == 1).sum())
+    assert int((c_every.pp == 2).sum()) > int((c_all.pp == 2).sum())
+    assert set(c_every.order[c_every.pp == 1].tolist()) <= set(range(len(ORDERS)))

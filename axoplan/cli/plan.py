@@ -217,10 +217,10 @@ def _format(df, fmt: str) -> str:
 @click.option("--top", "-k", type=inputs.Count(1), default=10, show_default=True, help="Show the best K feasible configurations.")
 @click.option("--all", "show_all", is_flag=True, help="Every candidate, infeasible ones too (with their reason).")
 @click.option("--order", default="all", show_default=True, metavar="ORDER",
-              type=click.Choice(list(PLACEMENTS) + ["all"]),
-              help="Placement order of x, y, z, innermost first, data outside them (all: every distinct one); "
-                   "with p among them (e.g. xyzp) the pipeline axis sits there, inside data, instead of "
-                   "outermost.")
+              type=click.Choice(list(PLACEMENTS) + ["all", "every"]),
+              help="Placement order of x, y, z, innermost first, data outside them (all: every distinct one, the "
+                   "pipeline axis outermost); with p among them (e.g. xyzp) the pipeline axis sits there, inside "
+                   "data; every: all, and each pipeline inside data too.")
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size (sequences per GPU).")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)

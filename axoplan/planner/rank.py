@@ -174,8 +174,9 @@ def rank(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, globa
     top: keep only the best `top` feasible rows. include_infeasible: append every infeasible
     candidate with its reason. execution: how the framework runs the step (execution.py; the bundled
     trainer by default). pp: pipeline stages, "all" (every degree the execution can run) or one; vpp and
-    schedule restrict the pipelines (pipeline.py). Raises UserError when nothing is feasible and infeasible
-    rows were not asked for.
+    schedule restrict the pipelines (pipeline.py). order: "all" (every distinct order of x, y, z, the pipeline
+    outermost), "every" (the pipelines inside data too) or one of space.PLACEMENTS. Raises UserError when
+    nothing is feasible and infeasible rows were not asked for.
     """
     return ranking(model, machine, gpus, global_batch, seq_len=seq_len, top=top,
                    include_infeasible=include_infeasible, order=order, micro_batch=micro_batch, overlap=overlap,

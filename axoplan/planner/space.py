@@ -52,20 +52,23 @@ def factorizations4(g: int) -> np.ndarray:
     return np.concatenate(out).astype(np.int64)
 
 
-def distinct_orders(grids: np.ndarray) -> np.ndarray:
-    """[N, 6] bool: which of ORDERS are distinct placements for each grid."""
+def distinct_orders(grids: np.ndarray, pp: int = 1, orders: tuple = ORDERS) -> np.ndarray:
+    """[N, len(orders)] bool: which of the orders (ORDERS, or PLACEMENTS with the pipeline of pp stages) are
+    distinct placements for each grid: the first order naming each sequence of axes > 1 is kept."""
+    sizes = {"x": grids[:, 0], "y": grids[:, 1], "z": grids[:, 2], "d": grids[:, 3],
+             "p": np.full(len(grids), pp, dtype=np.int64)}
     keys = []
-    for o in ORDERS:
+    for o in orders:
         key = np.zeros(len(grids), dtype=np.int64)
         pos = np.zeros(len(grids), dtype=np.int64)
-        for a in o:
-            nonunit = grids[:, AXES.index(a)] > 1
-            key += np.where(nonunit, (AXES.index(a) + 1) * 4**pos, 0)
+        for a in layout(o):
+            nonunit = sizes[a] > 1
+            key += np.where(nonunit, ("xyzdp".index(a) + 1) * 6**pos, 0)
             pos += nonunit
         keys.append(key)
     keys = np.stack(keys, axis=1)
     keep = np.ones_like(keys, dtype=bool)
-    for i in range(1, len(ORDERS)):
+    for i in range(1, len(orders)):
         keep[:, i] = np.all(keys[:, :i] != keys[:, i : i + 1], axis=1)
     return keep
 
@@ -191,11 +194,11 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
                     grid: tuple[int, int, int, int] | None = None, pipelines=((1, 1, 0),)) -> Candidates:
     """Every candidate of the space, infeasible ones included (feasibility is the cost model's job).
     pipelines: the (pp, vpp, schedule index) to combine with every grid of gpus / pp (pipeline_choices);
-    a given grid multiplies to gpus / pp. orders: "all" (the distinct ORDERS, the pipeline axis outermost) or one
-    of PLACEMENTS (one that places the pipeline axis applies to the pipelined candidates; the others take its
+    a given grid multiplies to gpus / pp. orders: "all" (the distinct ORDERS, the pipeline axis outermost),
+    "every" (for the pipelined candidates the distinct PLACEMENTS, the pipeline inside data too) or one of PLACEMENTS (one that places the pipeline axis applies to the pipelined candidates; the others take its
     order of x, y, z)."""
-    if orders != "all" and orders not in PLACEMENTS:
-        raise UserError(f"--order must be one of {', '.join(PLACEMENTS)} or all, got '{orders}'")
+    if orders not in ("all", "every") and orders not in PLACEMENTS:
+        raise UserError(f"--order must be one of {', '.join(PLACEMENTS)}, all or every, got '{orders}'")
     if micro_batch is not None:
         if micro_batch <= 0:
             raise UserError(f"--micro-batch must be a positive integer, got {micro_batch}")
@@ -214,8 +217,10 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
             grids = np.array([grid], dtype=np.int64)
         else:
             grids = factorizations4(gpus // pp)
-        if orders == "all":
+        if orders == "all" or (orders == "every" and pp == 1):
             keep = distinct_orders(grids)
+        elif orders == "every":  # the pipeline inside data too: every distinct placement of the five axes
+            keep = distinct_orders(grids, pp, PLACEMENTS)
         else:
             keep = np.zeros((len(grids), len(PLACEMENTS)), dtype=bool)
             keep[:, PLACEMENTS.index(orders if pp > 1 else tensor_order(orders))] = True
