@@ -195,7 +195,8 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
     """Every candidate of the space, infeasible ones included (feasibility is the cost model's job).
     pipelines: the (pp, vpp, schedule index) to combine with every grid of gpus / pp (pipeline_choices);
     a given grid multiplies to gpus / pp. orders: "all" (the distinct ORDERS, the pipeline axis outermost),
-    "every" (for the pipelined candidates the distinct PLACEMENTS, the pipeline inside data too) or one of PLACEMENTS (one that places the pipeline axis applies to the pipelined candidates; the others take its
+    "every" (for the pipelined candidates the distinct PLACEMENTS, the pipeline inside data too) or one of
+    PLACEMENTS (one that places the pipeline axis applies to the pipelined candidates; the others take its
     order of x, y, z)."""
     if orders not in ("all", "every") and orders not in PLACEMENTS:
         raise UserError(f"--order must be one of {', '.join(PLACEMENTS)}, all or every, got '{orders}'")
