@@ -22,7 +22,6 @@ ORDERS = ("xyz", "xzy", "yxz", "yzx", "zxy", "zyx")
 PIPELINE_ORDERS = tuple(o[:i] + "p" + o[i:] for o in ORDERS for i in range(4))
 PLACEMENTS = ORDERS + PIPELINE_ORDERS
 
-AXES = "xyz"
 MAX_CANDIDATES = 2_000_000
 
 

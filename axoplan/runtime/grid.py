@@ -66,7 +66,11 @@ class ParallelGrid:
     groups: dict[str, Any] = field(default_factory=dict)  # "x", "y", "z", "d", "zd", and "p" with a pipeline
     _owned: list = field(default_factory=list)
     pp: int = 1  # pipeline stages; this rank is in stage `stage`
-    stage: int = 0
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (its coordinate on p)."""
+        return self.coords.p
 
     @property
     def stage_size(self) -> int:
@@ -109,7 +113,7 @@ def build_grid(gx: int, gy: int, gz: int, gdata: int, order: str = "xyz", pp: in
     if n4 * pp != world:
         raise ValueError(f"grid {gx}x{gy}x{gz}x{gdata} x pp {pp} does not match world size {world}")
     me = coords_of(rank, gx, gy, gz, gdata, order, pp)
-    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me, pp=pp, stage=me.p)
+    grid = ParallelGrid(gx, gy, gz, gdata, order, rank, me, pp=pp)
     sizes = {"x": gx, "y": gy, "z": gz, "d": gdata}
 
     def world_rank(**c) -> int:
