@@ -16,7 +16,7 @@ import yaml
 from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.planner.pipeline import SCHEDULES
-from axoplan.planner.space import PLACEMENTS
+from axoplan.planner.space import PLACEMENTS, placement_error
 from axoplan.yamlio import load_yaml
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -123,8 +123,8 @@ class LaunchConfig:
                 bad(f"{name} must be at most {inputs.MAX_GPUS:,}, got {inputs._short(v)}")
         if self.grid.size * self.pp > inputs.MAX_GPUS:
             bad(f"the grid has {self.grid.size * self.pp:,} ranks; at most {inputs.MAX_GPUS:,} are supported")
-        if "p" in self.order and self.pp == 1:
-            bad(f"order {self.order} places the pipeline axis, which needs pp of 2 or more")
+        if (why := placement_error(self.order, self.pp)) is not None:
+            bad(why)
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {', '.join(SCHEDULES)}, got {inputs.show(self.schedule)}")
         if self.vpp > 1 and self.schedule != "interleaved-1f1b":

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from axoplan.planner.batch import evaluate
 from axoplan.errors import UserError
 from axoplan.planner.space import (ORDERS, PLACEMENTS, distinct_orders, divisibility_masks, divisors, enumerate_space,
-                           factorizations4, grid_problem, micro_batch_choices, strides)
+                           factorizations4, grid_problem, micro_batch_choices, placement_error, strides)
 from axoplan.planner.specs import Job, ModelSpec
 
 from conftest import tiny_model
@@ -288,3 +288,15 @@ def test_rank_every_adds_the_placements_to_the_pipelined_candidates_only():
     assert int((c_every.pp == 1).sum()) == int((c_all.pp == 1).sum())
     assert int((c_every.pp == 2).sum()) > int((c_all.pp == 2).sum())
     assert set(c_every.order[c_every.pp == 1].tolist()) <= set(range(len(ORDERS)))
+
+
+def test_placement_error_one_rule_for_config_and_cli():
+    """Only an order that places the pipeline axis, without a pipeline, is refused; the config's and the CLI's
+    sentences differ only in how the user spelt the keys."""
+    for order in PLACEMENTS:
+        for pp in (1, 2, 8):
+            why = placement_error(order, pp)
+            assert (why is not None) == ("p" in order and pp == 1)
+    assert placement_error("xpyz", 1) == "order xpyz places the pipeline axis, which needs pp of 2 or more"
+    assert placement_error("xpyz", 1, "--order", "--pp") == (
+        "--order xpyz places the pipeline axis, which needs --pp of 2 or more")

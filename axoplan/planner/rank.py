@@ -19,7 +19,8 @@ from axoplan.errors import UserError
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
 from axoplan.planner.pipeline import SCHEDULES, stage_blocks
 from axoplan.planner.schedule import Window
-from axoplan.planner.space import PLACEMENTS, Candidates, layout, enumerate_space, pipeline_choices, pipeline_masks
+from axoplan.planner.space import (PLACEMENTS, Candidates, enumerate_space, layout, pipeline_choices, pipeline_masks,
+                                   placement_error)
 from axoplan.planner.specs import Job, ModelSpec, load_model
 from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
@@ -278,8 +279,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
 
     m, p, job = _setup(model, machine, gpus, global_batch, seq_len, micro_batch)
     ex = load_execution(execution)
-    if "p" in order and pp == 1:
-        raise UserError(f"--order {order} places the pipeline axis, which needs --pp of 2 or more")
+    if (why := placement_error(order, pp, "--order", "--pp")) is not None:
+        raise UserError(why)
     ck = "both" if checkpointing is None else ("on" if checkpointing else "off")
     sched_name = schedule or ("interleaved-1f1b" if vpp is not None and vpp > 1 else "1f1b")
     # schedule "all": the fastest feasible of the schedules (and virtual stages) the execution runs at this pp

@@ -78,6 +78,14 @@ def layout(order: str) -> str:
     return order + "d" if "p" in order else order + "dp"
 
 
+def placement_error(order: str, pp: int, order_key: str = "order", pp_key: str = "pp") -> str | None:
+    """The one rule on a placement and its pipeline, as the sentence a user gets (keys as the user wrote
+    them: a config's order and pp, the CLI's --order and --pp); None where the pair is valid."""
+    if "p" in order and pp == 1:
+        return f"{order_key} {order} places the pipeline axis, which needs {pp_key} of 2 or more"
+    return None
+
+
 def tensor_order(order: str) -> str:
     """The order of x, y and z alone (what a placement is without a pipeline)."""
     return order.replace("p", "")
