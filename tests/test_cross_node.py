@@ -264,3 +264,58 @@ def test_a_tree_rows_size_correction_replaces_nccls_tree_table():
     p = prof(dict(PROTOCOLS, tree=[tree]))
     nb = 2.0**26
     assert across(p, "all_reduce", nb, 8) == pytest.approx((52 + nb / (0.5 * 160e9 * 0.9) / US) * US)
+
+
+def _crossing_by_ranks(n, sizes, order, pp):
+    """Per boundary (stages b, b + 1; pp - 1: the last back to the first): some pair of ranks on two nodes."""
+    import itertools
+
+    from axoplan.planner.space import PLACEMENTS, strides
+    gx, gy, gz, gd = sizes
+    st = [int(x[0]) for x in strides(np.array([gx]), gy, gz, gd, PLACEMENTS.index(order), pp)]
+    out = [False] * pp
+    for x, y, z, d in itertools.product(range(gx), range(gy), range(gz), range(gd)):
+        base = x * st[0] + y * st[1] + z * st[2] + d * st[3]
+        for b in range(pp):
+            r1, r2 = base + b * st[4], base + ((b + 1) % pp) * st[4]
+            out[b] |= r1 // n != r2 // n
+    return out, st[4]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_boundary_crosses_equals_the_ranks(n):
+    """boundary_crosses against every pair of ranks, over small grids, pipelines and all 30 placements."""
+    from axoplan.planner.space import PLACEMENTS
+    for sizes in [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 3), (3, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 4), (2, 2, 1, 2)]:
+        for pp in (2, 3, 4, 6):
+            for order in PLACEMENTS:
+                want, s = _crossing_by_ranks(n, sizes, order, pp)
+                got = C.boundary_crosses(n, np.array([s]), pp, np.array([int(np.prod(sizes)) * pp]))[:, 0]
+                assert got.tolist() == want, (n, sizes, order, pp)
+
+
+def test_boundary_crosses_by_hand():
+    # 16 stages one GPU apart on 8-GPU nodes: only 7 -> 8 and the wrap 15 -> 0 leave a node
+    assert np.flatnonzero(C.boundary_crosses(8, np.array([1]), 16, np.array([16]))[:, 0]).tolist() == [7, 15]
+    # 4 stages 4 apart (ranks 0-3, 4-7, 8-11, 12-15): 1 -> 2 and the wrap
+    assert C.boundary_crosses(8, np.array([4]), 4, np.array([16]))[:, 0].tolist() == [False, True, False, True]
+    # the whole pipeline in one node; stages a node or more apart: every boundary
+    assert not C.boundary_crosses(8, np.array([2]), 4, np.array([8])).any()
+    assert C.boundary_crosses(8, np.array([8]), 2, np.array([16])).all()
+
+
+def test_pipeline_pays_across_nodes_only_where_its_boundaries_cross():
+    """GPT-20B, 16 stages one GPU apart (pxyz): with 16 GPUs per node no boundary crosses, with 8 one does
+    (and the wrap), with 4 three, with 1 all; the step grows in that order (before per-boundary transfers, 16,
+    8 and 4 were priced alike)."""
+    from axoplan.planner.machine import GB, load_profile
+    from axoplan.planner.rank import explain
+    from axoplan.planner.specs import load_model
+
+    m = load_model("gpt-20b")
+    base = load_profile("dgx-a100").replace(inter_busbw=5 * GB)  # a slow network: each crossing visible
+    for schedule, vpp in (("1f1b", None), ("interleaved-1f1b", 2)):
+        t = [float(explain(m, base.replace(gpus_per_node=n), 16, 64, grid=(1, 1, 1, 1), order="pxyz", pp=16, vpp=vpp,
+                           schedule=schedule, seq_len=2048, micro_batch=1, checkpointing=True).summary.iloc[0].batch_time_s)
+             for n in (16, 8, 4, 1)]
+        assert t[0] < t[1] < t[2] < t[3], (schedule, t)

@@ -83,7 +83,7 @@ def test_the_steady_state_continuation_equals_the_full_walk(pp, rounds, edge, se
     F[0], F[-1] = edge * 0.5 + 0.5, edge
     sec = np.concatenate([F, 2 * F])[:, None]
     sends = np.full((2, 1), send)
-    full = P._walk(P.walk_plan(sched, pp, vpp, m), sec, np.concatenate([np.zeros((1, 1)), sends]))
+    full = P._walk(P.walk_plan(sched, pp, vpp, m), sec, P.send_rows(sends, pp))
     cap, period = P.steady_cap(sched, pp)
     # exact up to the cap; past it the mean increment of a period: within the spread of one period's increments
     spread = period * 2 * send + 1e-9 * full.max()
@@ -426,3 +426,32 @@ def test_a_schedule_built_once_for_the_vpp_and_schedule_variants_times_each_as_i
             assert ex.sum() >= 10 and np.array_equal(whole.batch_time[ex], t_alone[ex])
             ok = np.isfinite(whole.batch_time)
             assert np.all(whole.batch_time[ok] <= t_alone[ok] * (1 + 1e-12))
+
+
+def test_walk_transfers_per_boundary():
+    """send [2, pp, n] per boundary: alike everywhere, the walk of [2, n]; 1f1b never crosses the wrap
+    (last rank back to the first), interleaved does; and by hand, pp 2, one micro-batch, F = B = 1."""
+    sec = np.ones((4, 1))
+    x = 0.25
+    ends = P.rank_end_times("1f1b", 2, 1, 1, sec, np.full((2, 2, 1), [[[x], [9.0]], [[x], [9.0]]]))
+    # F0 [0, 1], transfer, F1 [1 + x, 2 + x], B1 [2 + x, 3 + x], transfer, B0 [3 + 2x, 4 + 2x]
+    assert ends.ravel().tolist() == [4 + 2 * x, 3 + x]
+    for sched, pp, vpp, m in (("1f1b", 4, 1, 8), ("interleaved-1f1b", 4, 2, 8)):
+        sec = _uniform(pp * vpp, 1.0, 2.0)
+        uniform = P.rank_end_times(sched, pp, vpp, m, sec, np.full((2, 1), 0.5))
+        assert np.array_equal(P.rank_end_times(sched, pp, vpp, m, sec, np.full((2, pp, 1), 0.5)), uniform)
+        slow_wrap = np.full((2, pp, 1), 0.5)
+        slow_wrap[:, pp - 1] = 5.0
+        walked_ = P.rank_end_times(sched, pp, vpp, m, sec, slow_wrap)
+        assert (np.array_equal(walked_, uniform) if vpp == 1 else walked_.max() > uniform.max() + 4.0)
+        # a slow boundary somewhere costs at least its delay, at most that of every boundary slow
+        one = np.full((2, pp, 1), 0.5)
+        one[:, 1] = 3.0
+        t1 = P.rank_end_times(sched, pp, vpp, m, sec, one).max()
+        assert uniform.max() + 2.5 <= t1 <= P.rank_end_times(sched, pp, vpp, m, sec, np.full((2, 1), 3.0)).max()
+    # the processor-sharing walk reads the same rows
+    sec = _uniform(4, 1.0, 2.0)
+    one = np.full((2, 4, 1), 0.5)
+    one[:, 2] = 3.0
+    ends, _ = P.shared_rank_end_times("1f1b", 4, 1, 8, sec, one, np.ones(5))
+    assert np.allclose(ends, P.rank_end_times("1f1b", 4, 1, 8, sec, one), rtol=1e-12)

@@ -364,14 +364,34 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
 
 
-def stage_transfer_seconds(profile: MachineProfile, g: Groups, nbytes) -> np.ndarray:
-    """One point-to-point transfer between neighbouring pipeline stages (p2p_seconds): every rank of a stage
-    sends at once to its partner in the next, the pipeline's stride apart, so across nodes the pairs leaving a
-    node, min(stride, GPUs per node) of them, share its NICs; none without a pipeline."""
+def boundary_crosses(gpus_per_node: int, stride, pp: int, gpus) -> np.ndarray:
+    """[pp, n]: whether boundary b of each candidate's pipeline has a pair of ranks on two nodes (b < pp - 1:
+    stages b and b + 1; b = pp - 1: the last stage back to the first, which the interleaved order crosses).
+
+    A stage-b rank is a + b s + c S (the axes inside the pipeline give a in [0, s), s its stride; those
+    outside give c, S = s pp), its partner d ranks on (s, or (pp - 1) s for the wrap). Some pair leaves its
+    node iff d >= n or (t + s - 1) + d >= n for the largest start t = (b s + c S) mod n over the c."""
+    n = int(gpus_per_node)
+    s = np.asarray(stride, dtype=np.int64).reshape(1, -1)
+    big_s = s * pp
+    outer = np.asarray(gpus, dtype=np.int64).reshape(1, -1) // big_s
+    b = np.arange(pp).reshape(-1, 1)
+    wrap = b == pp - 1
+    base, d = np.where(wrap, 0, b * s), np.where(wrap, (pp - 1) * s, s)
+    c = np.arange(n).reshape(-1, 1, 1)  # c S mod n repeats within n values of c
+    t = np.where(c < outer, (base + c * big_s) % n, -n).max(axis=0)
+    return (d >= n) | (t + s - 1 + d >= n)
+
+
+def stage_transfer_seconds(profile: MachineProfile, g: Groups, nbytes) -> tuple[np.ndarray, np.ndarray]:
+    """One point-to-point transfer between neighbouring pipeline stages (p2p_seconds), (at a boundary inside a
+    node, at one crossing nodes): every rank of a stage sends at once to its partner in the next, the
+    pipeline's stride apart, so across nodes the pairs leaving a node, min(stride, GPUs per node) of them,
+    share its NICs; which boundaries cross is boundary_crosses'. Zero without a pipeline."""
     stride = np.asarray(g.stride["p"])
-    crosses = ~profile.group_inside(np.minimum(g.size["p"], 2), stride)
-    t = p2p_seconds(profile, nbytes, crosses, np.minimum(stride, profile.gpus_per_node))
-    return np.where(np.asarray(g.size["p"]) > 1, t, 0.0)
+    conc = np.minimum(stride, profile.gpus_per_node)
+    on = np.asarray(g.size["p"]) > 1
+    return tuple(np.where(on, p2p_seconds(profile, nbytes, cross, conc), 0.0) for cross in (False, True))
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,

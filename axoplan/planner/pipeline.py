@@ -119,8 +119,8 @@ def peak_micro_batches(schedule: str, pp, m):
 class Walk:
     """One structure's operations in level order, as index arrays: for each operation (numbered in the
     order of `levels`) the rank's previous one and the one whose output it needs (n_ops: none), the row of
-    its seconds (forward of virtual stage v: v; backward: V + v), whether a point-to-point transfer sits on
-    its input (0 none, 1 an activation, 2 a gradient); and for each rank its last operation."""
+    its seconds (forward of virtual stage v: v; backward: V + v), the transfer on its input (send_rows: 0
+    none, 1 + b an activation over boundary b, 1 + pp + b a gradient); and for each rank its last operation."""
 
     levels: tuple  # slices into the arrays below, one per level
     prev: np.ndarray
@@ -187,7 +187,10 @@ def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
     dp = np.where(dep[o] >= 0, index[np.maximum(dep[o], 0)], n)
     # a transfer where the input comes from another rank: a forward's from the stage before, a backward's from
     # the stage after (the last stage's backward reads its own forward)
-    p2p = np.where(kind[o] == 0, np.where(v[o] > 0, 1, 0), np.where(v[o] < V - 1, 2, 0))
+    # boundary b joins ranks b and b + 1 (pp - 1: the last rank back to the first): a forward of v reads over
+    # boundary (v - 1) mod pp, a backward over v mod pp
+    p2p = np.where(kind[o] == 0, np.where(v[o] > 0, 1 + (v[o] - 1) % pp, 0),
+                   np.where(v[o] < V - 1, 1 + pp + v[o] % pp, 0))
     row = v[o] + V * kind[o]
     bounds = np.searchsorted(level[o], np.arange(int(level.max()) + 2))
     levels = tuple(slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
@@ -195,8 +198,18 @@ def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
     return Walk(levels, prev, dp, row, p2p, last, n)
 
 
+def send_rows(send: np.ndarray, pp: int) -> np.ndarray:
+    """[1 + 2 pp, n], the walk's transfer rows: none, then the activation over each boundary, then the
+    gradient, from send [2, n] (every boundary alike) or [2, pp, n] (boundary b between ranks b and b + 1,
+    pp - 1 the last rank back to the first)."""
+    send = np.asarray(send, dtype=np.float64)
+    per = send[:, None, :] if send.ndim == 2 else send
+    per = np.broadcast_to(per, (2, pp, per.shape[-1])).reshape(2 * pp, -1)
+    return np.concatenate([np.zeros((1, per.shape[1])), per])
+
+
 def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
-    """Each rank's end time [pp, n]: seconds [2V, n] per operation row, send [3, n] per transfer kind."""
+    """Each rank's end time [pp, n]: seconds [2V, n] per operation row, send [1 + 2 pp, n] (send_rows)."""
     n = seconds.shape[1]
     end = np.zeros((plan.n_ops + 1, n))
     for sl, prev, dep, p2p, row in plan.steps:
@@ -224,9 +237,10 @@ def walked(schedule: str, pp, m):
 def rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
     """[pp, n]: when each pipeline rank's last backward ends, for m micro-batches (per candidate; every one
     with the same walked(m)) of the given seconds ([2V, n]: forward then backward of each virtual stage) and
-    transfers ([2, n]: activation, gradient). Past steady_cap the walk of the cap continues by the mean increment
-    of its last period: within one period's spread of the increments of the walk itself (tested)."""
-    send = np.concatenate([np.zeros((1, seconds.shape[1])), send])
+    transfers (activation, gradient: [2, n], or [2, pp, n] per boundary as send_rows). Past steady_cap the walk
+    of the cap continues by the mean increment of its last period: within one period's spread of the increments
+    of the walk itself (tested)."""
+    send = send_rows(send, pp)
     m = np.asarray(m)
     cap, period = steady_cap(schedule, pp)
     w = walked(schedule, pp, m)
@@ -279,11 +293,12 @@ def shared_rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarr
     V = pp * vpp
     n = seconds.shape[1]
     ms = np.broadcast_to(np.asarray(m), (n,))
+    rows = send_rows(send, pp)
     ends, ran = np.zeros((pp, n)), np.zeros((pp, n))
     for j in range(n):
         mj = int(ms[j])
         ends[:, j], ran[:, j] = _shared_walk(rank_sequences(schedule, pp, vpp, mj), V, mj, seconds[:, j].tolist(),
-                                             [0.0, float(send[0, j]), float(send[1, j])], factors.tolist())
+                                             rows[:, j].tolist(), factors.tolist())
     return ends, ran
 
 
@@ -295,12 +310,12 @@ def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list)
     ran, end = [0.0] * pp, [0.0] * pp
     t = 0.0
 
-    def needs(o):  # (the operation o waits for, the transfer on it, its row of seconds)
+    def needs(o):  # (the operation o waits for, the transfer on it, its row of seconds); send as send_rows
         kind, v = o // (V * m), o % (V * m) // m
         row = v + V * kind
         if kind == 0:
-            return ((o - m, send[1]) if v > 0 else (None, 0.0)) + (row,)
-        return ((o + m, send[2]) if v < V - 1 else (o - V * m, 0.0)) + (row,)
+            return ((o - m, send[1 + (v - 1) % pp]) if v > 0 else (None, 0.0)) + (row,)
+        return ((o + m, send[1 + pp + v % pp]) if v < V - 1 else (o - V * m, 0.0)) + (row,)
 
     while True:
         arrivals = []

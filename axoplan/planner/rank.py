@@ -321,7 +321,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             for cl, calls in listed]
     if pipelined:  # each micro-batch's send and receive at every virtual stage (the walk's transfers)
         sends = stage_timing.transfers_per_step(ga, int(one.vpp[0]))
-        sec = float(np.ravel(sched.p2p)[0])
+        sec = float(np.ravel(sched.p2p(p))[0])  # at the slowest boundary
         rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
                      "group_size": 2, "stride": int(np.ravel(g.stride["p"])[0]),
                      "bytes": float(np.ravel(sched.p2p_bytes)[0]), "busbw_gbs": float("nan"),

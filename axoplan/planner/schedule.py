@@ -139,9 +139,22 @@ class Schedule:
     replicated_elems: np.ndarray  # elements of the replicated parameters (norm weights, positions)
     params: comm.ParameterShards  # this rank's weight blocks and fp32 shard elements
     # between pipeline stages, per micro-batch: the activation (forward) and its gradient (backward), [Ts, H/gx]
-    # as the grid shards the residual stream, and the seconds of one transfer (0 without a pipeline)
+    # as the grid shards the residual stream, and the seconds of one transfer (0 without a pipeline) at a
+    # boundary inside a node and at one crossing nodes (comm.boundary_crosses says which boundary is which)
     p2p_bytes: np.ndarray | float = 0.0
-    p2p: np.ndarray | float = 0.0
+    p2p_near: np.ndarray | float = 0.0
+    p2p_far: np.ndarray | float = 0.0
+
+    def p2p(self, profile) -> np.ndarray:
+        """Seconds of one transfer at the pipeline's slowest boundary: across nodes where its stages span
+        more than one."""
+        g = self.groups
+        return np.where(profile.group_inside(g.size["p"], g.stride["p"]), self.p2p_near, self.p2p_far)
+
+    def p2p_fastest(self, profile) -> np.ndarray:
+        """A lower bound of every boundary's transfer: inside a node wherever stages sit closer than a node."""
+        near = np.minimum(self.p2p_near, self.p2p_far)
+        return np.where(np.asarray(self.groups.stride["p"]) < profile.gpus_per_node, near, self.p2p_far)
 
     def passes(self, checkpointing: bool) -> tuple[Pass, Pass]:
         return self.forward, (self.backward_recompute if checkpointing else self.backward)
@@ -333,4 +346,4 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
                     Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
-                    comm.stage_transfer_seconds(profile, g, p2p_bytes))
+                    *comm.stage_transfer_seconds(profile, g, p2p_bytes))

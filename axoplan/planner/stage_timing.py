@@ -269,7 +269,10 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1)))
         return out
 
-    sends = flat(to_c(sched.p2p))
+    near, far = flat(to_c(sched.p2p_near)), flat(to_c(sched.p2p_far))
+    p_stride = flat(to_c(sched.groups.stride["p"]))
+    gpus = flat(c.gx * c.gy * c.gz * c.gdata * c.pp)
+    fastest = flat(to_c(sched.p2p_fastest(profile)))  # the bounds' transfer: none is faster
     walk_m = np.zeros_like(m)
     for s_, name in enumerate(SCHEDULES):
         walk_m = np.where(sc == s_, walked(name, pp, m), walk_m)
@@ -292,9 +295,14 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         per_shape = [stage(kind, n, idx) for kind, n in shapes]
         fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
         bwd_t = np.stack([b[0] for _, b in per_shape])[which]
+        # each boundary's transfer: inside a node or across one (boundary b joins ranks b and b + 1, pp - 1 the
+        # last back to the first)
+        cross = comm.boundary_crosses(profile.gpus_per_node, p_stride[idx], p_, gpus[idx])
+        sb = np.where(cross, far[idx], near[idx])  # [pp, n]
         if ex.pipeline_blocking_p2p:  # the sender busy for its transfer: activations forward, gradients back
-            fwd_t = fwd_t + (np.arange(V) < V - 1)[:, None] * sends[idx]
-            bwd_t = bwd_t + (np.arange(V) > 0)[:, None] * sends[idx]
+            vs = np.arange(V)
+            fwd_t = fwd_t + (vs < V - 1)[:, None] * sb[vs % p_]
+            bwd_t = bwd_t + (vs > 0)[:, None] * sb[(vs - 1) % p_]
         comp_s = np.stack([f[1] + b[1] for f, b in per_shape])[which]
         coll_s = np.stack([f[2] + b[2] for f, b in per_shape])[which]
         seconds = np.concatenate([fwd_t, bwd_t])
@@ -304,7 +312,13 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             return x.reshape(v_, p_, -1).sum(axis=0)
 
         per_rank_work = per_rank(fwd_t + bwd_t)
-        send = np.stack([sends[idx], sends[idx]])
+        send = np.stack([sb, sb])
+        # a rank's transfers are at its boundaries to the rank before and after (the ends have one without
+        # interleaving): their mean, per rank
+        rs = np.arange(p_)
+        before, after_b = (rs > 0) | (v_ > 1), (rs < p_ - 1) | (v_ > 1)
+        rank_send = ((before[:, None] * sb[(rs - 1) % p_] + after_b[:, None] * sb[rs])
+                     / (before.astype(np.float64) + after_b)[:, None])
         share = 1.0  # each rank's seconds run over its seconds as timed: below 1 where waiting ranks free cores
         if shared is None:
             ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
@@ -327,7 +341,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         sh = share[rk, col] if np.ndim(share) else share
         out["bubble"][idx] = np.maximum(ends[rk, col] - sh * mm * per_rank_work[rk, col], 0.0)
         out["comp"][idx] = sh * mm * per_rank_comp[rk, col] + opt_c
-        out["colls"][idx] = sh * mm * per_rank_coll[rk, col] + dp_c + transfers_per_step(mm, v_) * sends[idx]
+        out["colls"][idx] = sh * mm * per_rank_coll[rk, col] + dp_c + transfers_per_step(mm, v_) * rank_send[rk, col]
         exact[idx] = True
 
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
@@ -343,14 +357,14 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         if walk.bound_all:
             lin = map_terms(terms, to_c)
             ends = {k: tuple(a.full() for a in after[k]) for k in KINDS}
-            for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p)), L,
+            for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p_fastest(profile))), L,
                                         ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         else:  # the feasible candidates' bounds, gathered
             at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
             lin = map_terms(terms, lambda x: Lazy(x)[at])
             ends = {k: tuple(a[at] for a in after[k]) for k in KINDS}
-            for k, v in bounds_of_terms(lin, ends, pp[at], vpp[at], m[at], sends[at], L,
+            for k, v in bounds_of_terms(lin, ends, pp[at], vpp[at], m[at], fastest[at], L,
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.nan
                 out[k][at] = v
