@@ -19,7 +19,8 @@ Four predictions side by side:
   NCCL's modelled latency: a property of the network and the library, LIBRARY below) and the plateau's share
   of the NIC line rate (inter_node.busbw_gbs over the NICs: a property of the network, NETWORK below), each
   from the judged rows of the other machines that share what it is a property of (the plateau from their
-  rows of 256 MiB and more), NCCL's own (1 and 0.96) where none does: leave-one-machine-out;
+  rows of 256 MiB and more; the latency scale from the network alone where its libraries share one transport,
+  SHARED_TRANSPORT below), NCCL's own (1 and 0.96) where none does: leave-one-machine-out;
 - 'own': the same two fitted to the machine's own rows (what `calibrate --emit-slurm` does on a user's
   cluster; in-sample, for reference).
 Both fits minimise the mean absolute log error: the sweeps are means of 20 calls and some hold stalls of
@@ -76,6 +77,13 @@ MACHINES = {
     "oci-gpu4-a100": ("dgx-a100", 200.0, (80, "amd", "PXB"), False,
                       "16 x 100 Gb/s RoCE per OCI BM.GPU4.8, AMD hosts, GPU and NIC under one PCIe switch "
                       "(oracle-quickstart/oci-hpc-oke manifests/topology/BM.GPU4.8.xml @1402938)"),
+    "abci-a100-hdr": ("dgx-a100", 100.0, (80, "intel", "PXB"), False,
+                      "4 x InfiniBand HDR 200 Gb/s per ABCI 2.0 Compute Node (A), 2 GPUs per NIC, 2 x Intel Xeon "
+                      "Platinum 8360Y (aistabci/abci-docs en/docs/system-overview.md, the data file header)"),
+    "a3ultra-h200-roce": ("dgx-h200", 400.0, (90, "intel", "PXB"), False,
+                          "8 x 400 Gb/s ConnectX-7 per a3-ultragpu-8g for GPU traffic, 3,200 Gbps (Google's "
+                          "'Networking and GPU machines' page, the data file headers); host CPU assumed Intel as "
+                          "the A3 family"),
     "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
     "frontier-mi250x": ("frontier", 100.0, ("rccl", 3, "PXB"), True,
@@ -96,13 +104,22 @@ NIC_PATH_SOURCE = {
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
            "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA",
            "p5-h100": "AWS EFA", "xe9680-h100-ndr": "InfiniBand NDR", "vm-h100-ndr": "InfiniBand NDR",
-           "h100-ndr-8node": "InfiniBand NDR", "oci-gpu4-a100": "RoCE (OCI)"}
+           "h100-ndr-8node": "InfiniBand NDR", "oci-gpu4-a100": "RoCE (OCI)", "abci-a100-hdr": "InfiniBand HDR",
+           "a3ultra-h200-roce": "RoCE (gIB)"}
 # the communication library: its per-step latencies are its own (RCCL's tuning tables are not NCCL's), so a
 # latency scale transfers only between machines sharing network and library; the plateau, a property of the
 # NICs and the fabric, between machines sharing the network
 LIBRARY = {"a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn-a100": "NCCL", "perlmutter-a100": "NCCL",
            "frontier-mi250x": "RCCL", "p4de-a100": "NCCL", "p5-h100": "NCCL", "xe9680-h100-ndr": "NCCL",
-           "vm-h100-ndr": "NCCL", "h100-ndr-8node": "NCCL", "oci-gpu4-a100": "NCCL"}
+           "vm-h100-ndr": "NCCL", "h100-ndr-8node": "NCCL", "oci-gpu4-a100": "NCCL", "abci-a100-hdr": "NCCL",
+           "a3ultra-h200-roce": "NCCL"}
+# networks whose libraries reach them through one transport, so that what a network step costs beyond a
+# library's table transfers between the libraries: on Slingshot-11 both sweeps' scripts load the AWS OFI plugin
+# over libfabric's cxi provider with the same rendezvous settings (Perlmutter NCCL_NET="AWS Libfabric", Frontier
+# aws-ofi-rccl against /opt/cray/libfabric/1.15.2.0; both FI_CXI_RDZV_THRESHOLD=0, FI_CXI_RDZV_GET_MIN=0,
+# FI_CXI_RDZV_EAGER_SIZE=0: axonn-ai/sc2025-pccl-reproducer scripts/{perlmutter,frontier}/
+# run_raw_collectives_benchmark.sh @194759f, scripts/frontier/install_frontier.sh @540dd3e)
+SHARED_TRANSPORT = {"Slingshot-11"}
 # rows of this many bytes and more are bandwidth-bound on every judged curve: the plateau is fitted on them
 PLATEAU_BYTES = 2**28
 LO, HI = 2**20, 2**32
@@ -206,12 +223,14 @@ def fit_share(rows: list[dict]) -> float:
 
 def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
     """(latency_scale, plateau share) for `machine` from the other machines' rows only: both fitted together
-    on those sharing its network and library; else the share from those sharing its network (fit_share) and
-    NCCL's latency; else NCCL's defaults."""
+    on those sharing its network and library; else on those sharing its network (SHARED_TRANSPORT: the same
+    transport under both libraries); else NCCL's defaults."""
     others = [r for r in rows if r["machine"] != machine and NETWORK[r["machine"]] == NETWORK[machine]]
     same_lib = [r for r in others if LIBRARY[r["machine"]] == LIBRARY[machine]]
     if same_lib:
         return fit_network(same_lib)
+    if others and NETWORK[machine] in SHARED_TRANSPORT:
+        return fit_network(others)
     return (1.0, fit_share(others)) if others else (1.0, RING_EFFICIENCY)
 
 
@@ -284,7 +303,7 @@ def main(argv=None) -> int:
     own = {m: fit_network([r for r in rows if r["machine"] == m]) for m in machines}
     print("published cross-node collective sweeps vs axoplan: time per call, 1 MiB-4 GiB on 2-64 nodes, "
           "error = |pred/meas - 1|: mean per curve, then over curves (median over rows in brackets)")
-    print(f"{'machine':16s} {'network':16s} {'collective':14s} {'curves':>6s} {'rows':>4s} {'before':>10s} "
+    print(f"{'machine':17s} {'network':16s} {'collective':14s} {'curves':>6s} {'rows':>4s} {'before':>10s} "
           f"{'nccl':>10s} {'lomo':>10s} {'own':>10s}  latency_scale, plateau/NICs: lomo | own")
     models = lambda m: (("before", 1.0, RING_EFFICIENCY), ("protocols", 1.0, RING_EFFICIENCY),  # noqa: E731
                         ("protocols", *lomo[m]), ("protocols", *own[m]))
@@ -298,24 +317,24 @@ def main(argv=None) -> int:
             e = np.array([[mean_err([r for r in kr if r["curve"] == c], *mod) for mod in models(m)] for c in curves])
             med = np.array([np.median(errors(kr, *mod)) for mod in models(m)])
             curve_means.append(e)
-            print(f"{m:16s} {NETWORK[m]:16s} {kind:14s} {len(curves):6d} {len(kr):4d} "
+            print(f"{m:17s} {NETWORK[m]:16s} {kind:14s} {len(curves):6d} {len(kr):4d} "
                   + " ".join(f"{x:4.0%} ({y:3.0%})" for x, y in zip(e.mean(0), med))
                   + f"  {lomo[m][0]:.2f}, {lomo[m][1]:.2f} | {own[m][0]:.2f}, {own[m][1]:.2f}")
             if args.diagnose:
                 for c in curves:
                     cr = [r for r in kr if r["curve"] == c]
                     nccl, mine = models(m)[1], models(m)[3]
-                    print(f"    {c:34s} pred/meas nccl {_ratios(cr, *nccl, 2**20, 2**24):5.2f} at 1-16 MiB, "
+                    print(f"    {c:38s} pred/meas nccl {_ratios(cr, *nccl, 2**20, 2**24):5.2f} at 1-16 MiB, "
                           f"{_ratios(cr, *nccl, 2**28, 2**32):5.2f} at >=256 MiB;  own "
                           f"{_ratios(cr, *mine, 2**20, 2**24):5.2f}, {_ratios(cr, *mine, 2**28, 2**32):5.2f}")
             if args.rows:
                 for r in kr:
                     meas = float(r["time_us"]) * 1e-6
-                    print(f"    {r['curve']:34s} {float(r['bytes']):>11.0f} B  measured {meas * 1e6:9.1f} us  "
+                    print(f"    {r['curve']:38s} {float(r['bytes']):>11.0f} B  measured {meas * 1e6:9.1f} us  "
                           "pred/meas " + " ".join(f"{predict(r, *mod) / meas:5.2f}" for mod in models(m)))
         per_machine.append(np.concatenate(curve_means).mean(0))
         medians.append([np.median(errors(mr, *mod)) for mod in models(m)])
-    print(f"{'mean over machines':16s} {'':16s} {'':14s} {'':6s} {'':4s} "
+    print(f"{'mean over machines':17s} {'':16s} {'':14s} {'':6s} {'':4s} "
           + " ".join(f"{x:4.0%} ({y:3.0%})" for x, y in zip(np.mean(per_machine, axis=0), np.mean(medians, axis=0))))
     return 0
 
