@@ -327,3 +327,5 @@ def test_pipeline_pays_across_nodes_only_where_its_boundaries_cross():
                            schedule=schedule, seq_len=2048, micro_batch=1, checkpointing=True).summary.iloc[0].batch_time_s)
              for n in (16, 8, 4, 1)]
         assert t[0] < t[1] < t[2] < t[3], (schedule, t)
+    e = explain(m, base, 16, 64, grid=(1, 1, 1, 1), order="pxyz", pp=16, seq_len=2048, micro_batch=1, checkpointing=True)
+    assert any("neighbouring stages 1 rank apart; 1 of its 15 stage boundaries crosses nodes" in n for n in e.notes)

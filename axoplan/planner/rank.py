@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from axoplan import inputs
-from axoplan.planner import stage_timing
+from axoplan.planner import comm, stage_timing
 from axoplan.planner.batch import Evaluation, evaluate
 from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
@@ -359,9 +359,14 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                       f"collectives listed: pipeline rank {critical}'s (its stages' windows, its gradient "
                       f"reduction and its transfers)"]
         placed = PLACEMENTS[int(one.order[0])]
+        npp, stride_p = int(one.pp[0]), int(np.ravel(g.stride["p"])[0])
+        crosses = comm.boundary_crosses(p.gpus_per_node, np.array([stride_p]), npp, np.array([job.gpus]))[:, 0]
+        walked = crosses if int(one.vpp[0]) > 1 else crosses[:-1]  # the wrap only where stages interleave
         step_notes.append(f"ranks placed {layout(placed)} (innermost first): the pipeline axis "
                           + ("outermost" if "p" not in placed else "inside data") + ", neighbouring stages "
-                          f"{int(np.ravel(g.stride['p'])[0])} ranks apart")
+                          f"{stride_p} rank{'s' * (stride_p != 1)} apart; {int(walked.sum())} of its {len(walked)} "
+                          f"stage boundaries cross{'es' * (int(walked.sum()) == 1)} nodes ({float(np.ravel(sched.p2p_near)[0]):.3g} s a transfer inside a node, "
+                          f"{float(np.ravel(sched.p2p_far)[0]):.3g} s across)")
     else:
         step_notes = [(f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
                        f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s")]
