@@ -266,7 +266,7 @@ def peak_in_flight(schedule: str, pp: int, vpp: int, m: int) -> tuple:
         upto = seq[:int(np.argmax(live)) + 1]
         v = upto % (V * m) // m
         count = np.bincount(v[upto < V * m], minlength=V) - np.bincount(v[upto >= V * m], minlength=V)
-        out.append(tuple(int(x) for x in count))
+        out.append(tuple(count.tolist()))
     return tuple(out)
 
 

@@ -216,23 +216,23 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
     ck = {"both": [False, True], "on": [True], "off": [False]}[checkpointing]
     blocks = []
     n = 0
+    placed = {}  # pp -> (grids, their kept orders): the same for every vpp and schedule of one pp
     for pp, vpp, sched in pipelines:
-        if grid is not None:
-            if int(np.prod(grid)) * pp != gpus:
-                what = f"--pp {pp} x " if pp > 1 else ""
-                raise UserError(f"{what}--grid {','.join(map(str, grid))} multiplies to {int(np.prod(grid)) * pp}, "
-                                f"not --gpus {gpus}")
-            grids = np.array([grid], dtype=np.int64)
-        else:
-            grids = factorizations4(gpus // pp)
-        if orders == "all" or (orders == "every" and pp == 1):
-            keep = distinct_orders(grids)
-        elif orders == "every":  # the pipeline inside data too: every distinct placement of the five axes
-            keep = distinct_orders(grids, pp, PLACEMENTS)
-        else:
-            keep = np.zeros((len(grids), len(PLACEMENTS)), dtype=bool)
-            keep[:, PLACEMENTS.index(orders if pp > 1 else tensor_order(orders))] = True
-        gi, oi = np.nonzero(keep)
+        if grid is not None and int(np.prod(grid)) * pp != gpus:
+            what = f"--pp {pp} x " if pp > 1 else ""
+            raise UserError(f"{what}--grid {','.join(map(str, grid))} multiplies to {int(np.prod(grid)) * pp}, "
+                            f"not --gpus {gpus}")
+        if pp not in placed:
+            grids = np.array([grid], dtype=np.int64) if grid is not None else factorizations4(gpus // pp)
+            if orders == "all" or (orders == "every" and pp == 1):
+                keep = distinct_orders(grids)
+            elif orders == "every":  # the pipeline inside data too: every distinct placement of the five axes
+                keep = distinct_orders(grids, pp, PLACEMENTS)
+            else:
+                keep = np.zeros((len(grids), len(PLACEMENTS)), dtype=bool)
+                keep[:, PLACEMENTS.index(orders if pp > 1 else tensor_order(orders))] = True
+            placed[pp] = (grids, *np.nonzero(keep))
+        grids, gi, oi = placed[pp]
         blocks.append((pp, vpp, sched, grids, gi, oi))
         n += len(gi) * len(mbs) * len(ck)
     if n > MAX_CANDIDATES:
