@@ -156,25 +156,25 @@ def walk_plan(schedule: str, pp: int, vpp: int, m: int) -> Walk:
         table[s, :len(q)] = q
     table = table.reshape(-1)
     deps = np.append(np.where(dep >= 0, dep, none), [none, never])[table]
-    done = np.zeros(n + 2, dtype=bool)
-    done[none] = True
-    level = np.full(n + 2, -1, dtype=np.int64)
+    # an operation's level once placed (the missing input's -1), NOT_YET before: placed is level >= -1
+    not_yet = -2
+    level = np.full(n + 2, not_yet, dtype=np.int64)
+    level[none] = -1
     last = np.full(pp, -1, dtype=np.int64)  # each rank's previous operation's level
     pos = np.arange(pp) * width  # each rank's next operation, in the flat table
     end = pos + lens
     while True:
-        d = deps[pos]
-        ready = done[d]
+        lev_d = level[deps[pos]]
+        ready = lev_d > not_yet
         if not ready.any():
             if np.array_equal(pos, end):
                 break
             raise RuntimeError(f"the {schedule} order of pp={pp}, vpp={vpp}, m={m} deadlocks")
-        lev = 1 + np.maximum(last, level[d])
-        op = table[pos[ready]]
-        level[op] = lev[ready]
-        done[op] = True
-        last = np.where(ready, lev, last)
-        pos = pos + ready
+        lev = np.maximum(last, lev_d)
+        lev += 1
+        level[table[pos[ready]]] = lev[ready]
+        np.copyto(last, lev, where=ready)
+        pos += ready
     level = level[:n]
     ordered = np.argsort(level, kind="stable")
     index = np.empty(n, dtype=np.int64)
