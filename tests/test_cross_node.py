@@ -329,3 +329,17 @@ def test_pipeline_pays_across_nodes_only_where_its_boundaries_cross():
         assert t[0] < t[1] < t[2] < t[3], (schedule, t)
     e = explain(m, base, 16, 64, grid=(1, 1, 1, 1), order="pxyz", pp=16, seq_len=2048, micro_batch=1, checkpointing=True)
     assert any("neighbouring stages 1 rank apart; 1 of its 15 stage boundaries crosses nodes" in n for n in e.notes)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_explain_transfers_add_up_where_only_some_boundaries_cross(vpp):
+    """pxyz pp16 on 8-GPU nodes: the listed rank's send/recv row is its mean transfer over its boundaries
+    (between a transfer inside a node and one across), and explain's rows still sum to comm_s."""
+    from axoplan.planner.rank import explain
+
+    e = explain("gpt-20b", "dgx-a100", 16, 64, grid=(1, 1, 1, 1), order="pxyz", pp=16, vpp=vpp,
+                schedule="interleaved-1f1b" if vpp > 1 else "1f1b", seq_len=2048, micro_batch=1, checkpointing=True)
+    sched, colls = e.detail["schedule"], e.collectives
+    assert colls["total_s"].sum() == pytest.approx(float(e.summary.iloc[0].comm_s), rel=1e-9)
+    row = colls[colls["collective"] == "send/recv"].iloc[0]
+    assert float(np.ravel(sched.p2p_near)[0]) <= row["time_per_call_s"] <= float(np.ravel(sched.p2p_far)[0])

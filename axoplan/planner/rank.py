@@ -321,7 +321,11 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             for cl, calls in listed]
     if pipelined:  # each micro-batch's send and receive at every virtual stage (the walk's transfers)
         sends = stage_timing.transfers_per_step(ga, int(one.vpp[0]))
-        sec = float(np.ravel(sched.p2p(p))[0])  # at the slowest boundary
+        # the listed rank's mean transfer over its boundaries (inside a node or across), as its comm_s has it
+        cross = comm.boundary_crosses(p.gpus_per_node, np.ravel(g.stride["p"])[:1], int(one.pp[0]),
+                                      np.array([job.gpus]))
+        per_boundary = np.where(cross, np.ravel(sched.p2p_far)[0], np.ravel(sched.p2p_near)[0])
+        sec = float(stage_timing.rank_transfer_seconds(per_boundary, int(one.vpp[0]))[critical, 0])
         rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
                      "group_size": 2, "stride": int(np.ravel(g.stride["p"])[0]),
                      "bytes": float(np.ravel(sched.p2p_bytes)[0]), "busbw_gbs": float("nan"),

@@ -164,6 +164,16 @@ class BestOf:
         return ok & (time <= limit)
 
 
+def rank_transfer_seconds(per_boundary: np.ndarray, vpp: int) -> np.ndarray:
+    """[pp, n]: the mean transfer of each pipeline rank, over its boundaries (per_boundary [pp, n], as
+    comm.boundary_crosses numbers them) to the rank before and after it; the end ranks have one without
+    interleaving."""
+    pp = per_boundary.shape[0]
+    r = np.arange(pp)
+    before, after = ((r > 0) | (vpp > 1))[:, None], ((r < pp - 1) | (vpp > 1))[:, None]
+    return (before * per_boundary[(r - 1) % pp] + after * per_boundary[r]) / (before + after.astype(np.float64))
+
+
 def transfers_per_step(m, vpp):
     """Point-to-point transfers a pipeline rank makes per step: each micro-batch's send and receive at each of
     its virtual stages (the walk's transfers; explain's send/recv row)."""
@@ -313,12 +323,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
         per_rank_work = per_rank(fwd_t + bwd_t)
         send = np.stack([sb, sb])
-        # a rank's transfers are at its boundaries to the rank before and after (the ends have one without
-        # interleaving): their mean, per rank
-        rs = np.arange(p_)
-        before, after_b = (rs > 0) | (v_ > 1), (rs < p_ - 1) | (v_ > 1)
-        rank_send = ((before[:, None] * sb[(rs - 1) % p_] + after_b[:, None] * sb[rs])
-                     / (before.astype(np.float64) + after_b)[:, None])
+        rank_send = rank_transfer_seconds(sb, v_)
         share = 1.0  # each rank's seconds run over its seconds as timed: below 1 where waiting ranks free cores
         if shared is None:
             ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
