@@ -307,6 +307,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     g = sched.groups
     pipelined = bool(one.pp[0] > 1)
     critical = int(np.ravel(st.critical_rank)[0]) if pipelined else 0
+    if pipelined:  # which of its boundaries cross nodes, and one transfer inside a node and across
+        npp, stride_p = int(one.pp[0]), int(np.ravel(g.stride["p"])[0])
+        crosses = comm.boundary_crosses(p.gpus_per_node, np.array([stride_p]), npp, np.array([job.gpus]))[:, 0]
+        near, far = float(np.ravel(sched.p2p_near)[0]), float(np.ravel(sched.p2p_far)[0])
 
     # every collective of the step, from the schedule the batch time was computed on; with a pipeline those
     # of its slowest rank (whose end is the batch time): its virtual stages' windows, its gradient reduction
@@ -322,12 +326,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     if pipelined:  # each micro-batch's send and receive at every virtual stage (the walk's transfers)
         sends = stage_timing.transfers_per_step(ga, int(one.vpp[0]))
         # the listed rank's mean transfer over its boundaries (inside a node or across), as its comm_s has it
-        cross = comm.boundary_crosses(p.gpus_per_node, np.ravel(g.stride["p"])[:1], int(one.pp[0]),
-                                      np.array([job.gpus]))
-        per_boundary = np.where(cross, np.ravel(sched.p2p_far)[0], np.ravel(sched.p2p_near)[0])
+        per_boundary = np.where(crosses, far, near)[:, None]
         sec = float(stage_timing.rank_transfer_seconds(per_boundary, int(one.vpp[0]))[critical, 0])
         rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
-                     "group_size": 2, "stride": int(np.ravel(g.stride["p"])[0]),
+                     "group_size": 2, "stride": stride_p,
                      "bytes": float(np.ravel(sched.p2p_bytes)[0]), "busbw_gbs": float("nan"),
                      "time_per_call_s": sec, "calls_per_step": sends, "total_s": sec * sends})
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
@@ -363,14 +365,12 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                       f"collectives listed: pipeline rank {critical}'s (its stages' windows, its gradient "
                       f"reduction and its transfers)"]
         placed = PLACEMENTS[int(one.order[0])]
-        npp, stride_p = int(one.pp[0]), int(np.ravel(g.stride["p"])[0])
-        crosses = comm.boundary_crosses(p.gpus_per_node, np.array([stride_p]), npp, np.array([job.gpus]))[:, 0]
         walked = crosses if int(one.vpp[0]) > 1 else crosses[:-1]  # the wrap only where stages interleave
+        k = int(walked.sum())
         step_notes.append(f"ranks placed {layout(placed)} (innermost first): the pipeline axis "
                           + ("outermost" if "p" not in placed else "inside data") + ", neighbouring stages "
-                          f"{stride_p} rank{'s' * (stride_p != 1)} apart; {int(walked.sum())} of its {len(walked)} "
-                          f"stage boundaries cross{'es' * (int(walked.sum()) == 1)} nodes ({float(np.ravel(sched.p2p_near)[0]):.3g} s a transfer inside a node, "
-                          f"{float(np.ravel(sched.p2p_far)[0]):.3g} s across)")
+                          f"{stride_p} rank{'s' * (stride_p != 1)} apart; {k} of its {len(walked)} stage boundaries "
+                          f"cross{'es' * (k == 1)} nodes ({near:.3g} s a transfer inside a node, {far:.3g} s across)")
     else:
         step_notes = [(f"data-parallel gradients and replicated parameters: {float(np.ravel(st.data_parallel)[0]):.4g} "
                        f"s per step exposed; optimizer: {float(np.ravel(sched.optimizer)[0]):.4g} s")]

@@ -145,12 +145,6 @@ class Schedule:
     p2p_near: np.ndarray | float = 0.0
     p2p_far: np.ndarray | float = 0.0
 
-    def p2p(self, profile) -> np.ndarray:
-        """Seconds of one transfer at the pipeline's slowest boundary: across nodes where its stages span
-        more than one."""
-        g = self.groups
-        return np.where(profile.group_inside(g.size["p"], g.stride["p"]), self.p2p_near, self.p2p_far)
-
     def p2p_fastest(self, profile) -> np.ndarray:
         """A lower bound of every boundary's transfer: inside a node wherever stages sit closer than a node."""
         near = np.minimum(self.p2p_near, self.p2p_far)

@@ -281,7 +281,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
     near, far = flat(to_c(sched.p2p_near)), flat(to_c(sched.p2p_far))
     p_stride = flat(to_c(sched.groups.stride["p"]))
-    gpus = flat(c.gx * c.gy * c.gz * c.gdata * c.pp)
+    gpus = int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0])  # the job's: every candidate multiplies to it
     fastest = flat(to_c(sched.p2p_fastest(profile)))  # the bounds' transfer: none is faster
     walk_m = np.zeros_like(m)
     for s_, name in enumerate(SCHEDULES):
@@ -307,7 +307,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         bwd_t = np.stack([b[0] for _, b in per_shape])[which]
         # each boundary's transfer: inside a node or across one (boundary b joins ranks b and b + 1, pp - 1 the
         # last back to the first)
-        cross = comm.boundary_crosses(profile.gpus_per_node, p_stride[idx], p_, gpus[idx])
+        cross = comm.boundary_crosses(profile.gpus_per_node, p_stride[idx], p_, gpus)
         sb = np.where(cross, far[idx], near[idx])  # [pp, n]
         if ex.pipeline_blocking_p2p:  # the sender busy for its transfer: activations forward, gradients back
             vs = np.arange(V)
@@ -352,7 +352,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     groups = [np.nonzero(inv == gi)[0] for gi in range(len(uniq))]
     overhead = profile.corrections.step_overhead_s
     shared = profile.shared_cores  # ranks sharing cores: their operations run faster while others wait
-    on_node = min(profile.gpus_per_node, int(np.ravel(c.gx * c.gy * c.gz * c.gdata * c.pp)[0]))  # ranks per node
+    on_node = min(profile.gpus_per_node, gpus)  # ranks per node
     if walk is None:
         for gi, idx in enumerate(groups):
             group(gi, idx)
@@ -362,8 +362,8 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         if walk.bound_all:
             lin = map_terms(terms, to_c)
             ends = {k: tuple(a.full() for a in after[k]) for k in KINDS}
-            for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p_fastest(profile))), L,
-                                        ex.pipeline_blocking_p2p).items():
+            for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p_fastest(profile))),
+                                        L, ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         else:  # the feasible candidates' bounds, gathered
             at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
