@@ -46,6 +46,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -127,6 +128,8 @@ class Run:
     vpp: int | None = None  # virtual stages per pipeline rank (interleaved)
     schedule: str | None = None  # None: 1f1b, or interleaved where vpp > 1; "all": unstated (the fastest feasible)
     oom: bool = False  # the source says it ran out of memory (measured_s is then nan)
+    # the source's memory per GPU where it gives one (BLOOM's: nvidia-smi's, the process's whole footprint)
+    measured_mem_gib: float | None = None
 
 
 def read_table(name: str) -> list[dict]:
@@ -134,6 +137,13 @@ def read_table(name: str) -> list[dict]:
     lines = (DATA / name).read_text().splitlines()
     body = [ln for i, ln in enumerate(lines) if not (ln.startswith("#") and all(x.startswith("#") for x in lines[:i]))]
     return list(csv.DictReader(body))
+
+
+def memory_gib(x: str) -> float | None:
+    """GiB of a memory cell such as '56GB' (nvidia-smi's MiB / 1024, as BLOOM's chronicles quote it); None
+    where the cell holds no number ('', 'GB', 'OOM')."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*GB\s*", x or "")
+    return float(m.group(1)) if m else None
 
 
 def _f(x: str) -> float | None:
@@ -285,7 +295,7 @@ def bloom():
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
                         f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [],
                         MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
-                        pp=int(r["pp"]), oom=oom))
+                        pp=int(r["pp"]), oom=oom, measured_mem_gib=memory_gib(r["max_mem"])))
     return runs, out
 
 
@@ -382,7 +392,13 @@ def summarise(rows: list[dict]) -> dict:
                     same.setdefault(r["config"], []).append(r["tokens_per_gpu_meas"])
                 ceiling = kendalltau([np.mean(same[r["config"]]) for r in grp], meas).statistic
                 ceilings.append(float(ceiling) if np.isfinite(ceiling) else 0.0)
+    mem = [r for r in ok if r.get("measured_mem_gib")]
+    gap = np.array([r["measured_mem_gib"] - r["memory_gib"] for r in mem])
     return {"rows": len(ok), "errors": len(rows) - len(ok) - len(ooms),
+            # memory per GPU against the source's, where it gives one (a footprint: context and cache included)
+            "memory_rows": len(mem),
+            "memory_median_ratio": float(np.median([r["memory_gib"] / r["measured_mem_gib"] for r in mem])) if mem else None,
+            "memory_gap_gib": (float(gap.mean()), float(gap.min()), float(gap.max())) if mem else None,
             "mean_err_pct": float(100 * err.mean()) if len(ok) else None,
             "max_err_pct": float(100 * err.max()) if len(ok) else None,
             "median_ratio": float(np.median(ratio)) if len(ok) else None,
@@ -497,7 +513,7 @@ def main(argv=None) -> int:
                      "grid": "x".join(map(str, run.grid)) + (f" pp{run.pp}" if run.pp > 1 else "")
                      + (f"v{run.vpp}" if run.vpp else ""), "seq_len": run.seq_len, "global_batch": run.global_batch,
                      "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
-                     "execution": run.execution.name,
+                     "execution": run.execution.name, "measured_mem_gib": run.measured_mem_gib,
                      # what the model sees of a run: rows equal in it are the same configuration
                      "config": (run.model, run.grid, run.order, run.pp, run.vpp, run.schedule, run.micro_batch,
                                 run.checkpointing, run.execution.name, run.global_batch, run.seq_len), **p})
@@ -553,6 +569,14 @@ def main(argv=None) -> int:
                   + "; its ceiling (each configuration predicted as the mean of its own measured runs) "
                   + " ".join(f"{t:+.2f}" for t in s["tau_ceiling_per_group"])
                   + f", mean {s['kendall_tau_ceiling']:+.2f}")
+    for ds in datasets:
+        s = summary[ds]
+        if s["memory_rows"]:
+            g = s["memory_gap_gib"]
+            print(f"{ds}: memory per GPU against the source's (nvidia-smi on the first or last nodes: CUDA context, "
+                  f"NCCL buffers and the allocator's cache included, which the model's tensors are not) on "
+                  f"{s['memory_rows']} rows: median pred/meas {s['memory_median_ratio']:.2f}, measured - predicted "
+                  f"{g[0]:+.1f} GiB on average ({g[1]:+.1f} to {g[2]:+.1f})")
     print("\n(%pk: model FLOP per GPU, the planner's accounting, over peak, at the predicted and at the measured time; "
           "exposed: median share of predicted time that is exposed communication; OOM-ran: runs the model calls out of "
           "memory)")

@@ -8,6 +8,7 @@ authors' bandwidth table (reference §3): 4 GPUs per node, 2-GPU groups 76 GB/s,
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,5 +149,6 @@ def load_benchmark(name: str):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
