@@ -160,3 +160,33 @@ def test_workers_get_the_trainers_thread_count(tmp_path, monkeypatch, omp):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     C._run_workers(2, tmp_path / "r", True, None, "cpu", "axoplan calibrate --test", [])
     assert seen["OMP_NUM_THREADS"] == (omp or str(max(1, (os.cpu_count() or 1) // 2)))
+
+
+def test_the_busy_warning_counts_other_programs_not_the_workers_own_threads():
+    """This VM's quiet 4-rank calibration (2026-12-04): load average 0.42 at the start, 7.34 at the end (the
+    workers' gloo and torch threads), other programs 0.05 cores: no warning; 1.2 cores of other work: one."""
+    from axoplan.cli.calibrate import busy_warning
+
+    meta = {"cpu_count": 2, "world": 4, "loadavg_start": [0.42, 0.29, 0.17], "loadavg_end": [7.34, 6.21, 3.16]}
+    assert busy_warning(meta, 0.05) is None
+    w = busy_warning(meta, 1.2)
+    assert w.startswith("warning: the machine was busy") and "1.2 of its 2 cores" in w
+    # fitting earlier results (nothing measured here): the load before any worker ran decides
+    assert busy_warning(meta, None) is None
+    assert "load average 3.0 on 2 cores" in busy_warning(dict(meta, loadavg_start=[3.0, 2, 1]), None)
+    assert busy_warning(dict(meta, cuda=True), 1.9) is None  # a GPU's rates are not the cores'
+
+
+def test_other_work_is_the_machines_cpu_less_the_calibrations_own():
+    import sys
+
+    from axoplan.cli.calibrate import machine_busy_seconds, other_work_cores, own_cpu_seconds
+
+    assert other_work_cores(100.0, 90.0, 20.0) == 0.5
+    assert other_work_cores(80.0, 90.0, 20.0) == 0.0  # clock ticks round: never below zero
+    assert other_work_cores(None, 1.0, 20.0) is None
+    busy0, own0 = machine_busy_seconds(), own_cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(range(3 * 10**7))"], check=True)  # a child that ends, as the workers
+    busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
+    assert own1 - own0 > 0.2  # the child's CPU counts as the calibration's own
+    assert busy1 - busy0 >= 0.5 * (own1 - own0)  # and as the machine's (ticks of 10 ms, other cores idle or not)

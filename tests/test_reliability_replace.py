@@ -174,7 +174,7 @@ def test_calibrate_out_into_a_read_only_folder_is_refused_before_measuring(read_
     from axoplan.cli import calibrate as C
 
     measured = []
-    monkeypatch.setattr(C, "_run_workers", lambda *a, **k: measured.append(1) or 1.0)
+    monkeypatch.setattr(C, "_run_workers", lambda *a, **k: measured.append(1) or (1.0, 0.0))
     code, _, err = run_cli(["calibrate", "--nproc", "2", "--parts", "gemm", "--out", str(read_only / "m.yaml"),
                             "--results", str(tmp_path / "res")], capsys)
     one_sentence(code, err)

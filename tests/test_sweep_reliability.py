@@ -438,7 +438,7 @@ def _fake_workers(interrupt: bool, seconds: float):
                     rd.append("attention", {"batch": b, "heads": 8, "seq": 64, "head_dim": 8, "causal": causal,
                                             "pass": pass_, "seconds": seconds * b * f})
         rd.write_meta(dict(meta, status="complete"))
-        return 1.0
+        return 1.0, 0.0
 
     return run
 

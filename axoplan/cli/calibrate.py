@@ -34,9 +34,40 @@ def _check_out(out: str | None) -> Path:
     return p
 
 
+# other work at more than this share of the cores, on average over the run, is reported as a busy machine
+BUSY_SHARE = 0.25
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every process on this machine has run so far (user, nice and system time in /proc/stat;
+    interrupts and steal left out: they are not other programs); None where /proc/stat is not there."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return sum(int(x) for x in fields[1:4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that ended (the workers, their torchrun)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def other_work_cores(busy_s: float | None, own_s: float, wall_s: float) -> float | None:
+    """Cores' worth of CPU that programs other than the calibration ran, on average over wall_s."""
+    if busy_s is None or wall_s <= 0:
+        return None
+    return max(busy_s - own_s, 0.0) / wall_s
+
+
 def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, device: str, command: str,
                  extra: list[str], log_path: Path | None = None, append: bool = False,
-                 env_extra: dict | None = None) -> float:
+                 env_extra: dict | None = None) -> tuple[float, float | None]:
+    """(wall seconds, cores' worth of other work beside the workers: other_work_cores)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -61,7 +92,7 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     env.update(env_extra or {})  # the marker by which a later calibration finds workers a killed one left
-    t0 = time.time()
+    t0, busy0, own0 = time.time(), machine_busy_seconds(), own_cpu_seconds()
     with open(log_path, "a" if adding else "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
                                               MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("starting workers", total=None)
@@ -87,7 +118,9 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
         last = _last_error_line(log_path)
         raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
                         f"their log is {log_path}")
-    return time.time() - t0
+    wall, busy1 = time.time() - t0, machine_busy_seconds()
+    busy = None if busy0 is None or busy1 is None else busy1 - busy0
+    return wall, other_work_cores(busy, own_cpu_seconds() - own0, wall)
 
 
 STAGING_PREFIX = ".measuring-"
@@ -208,22 +241,36 @@ def _validate_written(built, results: Path, out: Path) -> None:
                             f"schema check ({why})") from None
 
 
+def busy_warning(meta: dict, other_cores: float | None) -> str | None:
+    """The warning that other work slowed a CPU calibration, or None. other_cores (measured beside workers
+    this process ran): other programs' CPU over the run; without it (fitting earlier results), the load
+    average at the start, before any worker ran (at the end it also counts the workers' own threads: gloo's
+    and torch's, several per rank, so it cannot tell other work from the measurement's)."""
+    if meta.get("cuda"):
+        return None
+    cores = meta.get("cpu_count") or 1
+    if other_cores is not None:
+        if other_cores > BUSY_SHARE * cores:
+            return (f"warning: the machine was busy during calibration (other programs used {other_cores:.1f} of "
+                    f"its {cores} cores on average): they slowed the measurements; rerun on a quiet machine")
+        return None
+    start = (meta.get("loadavg_start") or [0])[0] or 0
+    if start > cores:  # a load average lags and counts waiting threads: only a clear excess
+        return (f"warning: the machine was busy when calibration started (load average {start:.1f} on {cores} "
+                f"cores): other work slowed the measurements; rerun on a quiet machine")
+    return None
+
+
 def _print_summary(out: Path, built, wall_s: float | None, meta: dict, added: bool = False,
-                   fit_s: float | None = None) -> None:
+                   fit_s: float | None = None, other_cores: float | None = None) -> None:
     s = built.summary
     if added:  # this command measured only the added parts: their loads and time are the ones to show
         from axoplan.calibrate.profile_writer import added_runs
 
         meta = {**meta, **(added_runs(meta) or [{}])[-1]}
-    # the measurement's own ranks count in the load at the end: only load beyond them is other work
-    cores = meta.get("cpu_count") or 1
-    own = meta.get("world") or meta.get("ranks_per_node") or 0
-    start = (meta.get("loadavg_start") or [0])[0] or 0
-    end = max((meta.get("loadavg_end") or [0])[0] or 0, 0) - own
-    load = [x for x in (start, end) if x]
-    if load and not meta.get("cuda") and max(load) > cores:
-        click.echo(f"warning: the machine was busy during calibration (load average up to {max(load):.1f} on "
-                   f"{cores} cores): other work slowed the measurements; rerun on a quiet machine", err=True)
+    warning = busy_warning(meta, other_cores)
+    if warning:
+        click.echo(warning, err=True)
     click.echo(f"wrote {out} (GEMM table {out.parent / built.profile['compute']['gemm']['table']['path']})")
     if wall_s is not None:
         click.echo(f"  calibration took {wall_s:.0f} s (workers {meta.get('elapsed_s')} s"
@@ -384,7 +431,7 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
                 staging = _stage(results_p, keep=parts is not None)
                 handlers = _stop_on_terminate()
                 try:
-                    wall = _run_workers(nproc, staging, quick, models, device, command, add_args + list(worker_args),
+                    wall, other = _run_workers(nproc, staging, quick, models, device, command, add_args + list(worker_args),
                                         log_path=results_p / "worker.log", append=True, **run)
                     _commit(staging, results_p)
                 finally:
@@ -394,12 +441,12 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
             else:
                 handlers = _stop_on_terminate()
                 try:
-                    wall = _run_workers(nproc, results_p, quick, models, device, command,
+                    wall, other = _run_workers(nproc, results_p, quick, models, device, command,
                                         add_args + list(worker_args), **run)
                 finally:
                     for sig, h in handlers.items():
                         signal.signal(sig, h)
-            _write_profile(results_p, name, out_p, wall, parts)  # still under the lock: no other run moves files in
+            _write_profile(results_p, name, out_p, wall, parts, other)  # still under the lock: no other run moves files in
 
         return
     from axoplan.loop.validate_proc import FolderLock
@@ -408,8 +455,10 @@ def calibrate(nproc, out, quick, results, models, device, from_results, parts, e
         _write_profile(results_p, name, out_p, wall, parts)  # never from a folder a calibration is moving files into
 
 
-def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, parts: str | None) -> None:
-    """Fit the measurements in results_p and write the profile and its tables beside out_p."""
+def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, parts: str | None,
+                   other_cores: float | None = None) -> None:
+    """Fit the measurements in results_p and write the profile and its tables beside out_p (other_cores: the
+    other programs' CPU beside the workers just run, other_work_cores)."""
     from axoplan.calibrate import profile_writer
     from axoplan.calibrate.profile_writer import CalibrationError, fits_csv
     from axoplan.calibrate.results_io import ResultsDir
@@ -434,4 +483,5 @@ def _write_profile(results_p: Path, name: str, out_p: Path, wall: float | None, 
         if isinstance(e, UserError):  # already one sentence naming the file
             raise
         raise UserError(f"cannot write '{e.filename or out_p}': {(e.strerror or str(e)).lower()}") from None
-    _print_summary(out_p, built, wall, rd.meta(), added=bool(parts), fit_s=time.perf_counter() - t0)
+    _print_summary(out_p, built, wall, rd.meta(), added=bool(parts), fit_s=time.perf_counter() - t0,
+                   other_cores=other_cores)
