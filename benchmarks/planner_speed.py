@@ -19,6 +19,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from axoplan.allocator import keep_freed_memory  # noqa: E402
 from axoplan.planner.batch import evaluate  # noqa: E402
 from axoplan.planner.machine import load_profile  # noqa: E402
 from axoplan.planner.rank import WALKED_BY_DEFAULT  # noqa: E402
@@ -87,6 +88,7 @@ def main():
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     except (AttributeError, OSError):
         pass
+    keep_freed_memory()  # as `axoplan rank` runs (axoplan/allocator.py): the 4D and 5D evaluations alike
     model, prof = load_model(a.model), load_profile(a.machine)
     job = Job(a.gpus, a.global_batch, model.seq_len)
 

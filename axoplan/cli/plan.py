@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from axoplan import inputs
+from axoplan.allocator import keep_freed_memory
 from axoplan.cli import tablefit
 from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
@@ -233,6 +234,7 @@ def rank(model, machine, gpus, global_batch, seq_len, no_overlap, top, show_all,
     checkpointing."""
     if top is not None and top <= 0:
         raise UserError(f"--top must be a positive integer, got {top}")
+    keep_freed_memory()
     t0 = time.perf_counter()
     r = rank_api(model, machine, gpus, global_batch, seq_len=seq_len, top=None if show_all else top,
                  include_infeasible=show_all, order=order, micro_batch=micro_batch, overlap=not no_overlap,

@@ -129,10 +129,12 @@ class Walk:
     p2p: np.ndarray
     last: np.ndarray  # [pp] the index of each rank's last operation
     n_ops: int
-    steps: tuple = ()  # per level (its slice, prev, dep, p2p, row): the walk's loop reads no attribute
+    # per level (its slice, its inputs then its previous operations, how many inputs): one gather a level,
+    # the walk's loop reads no attribute
+    steps: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "steps", tuple((sl, self.prev[sl], self.dep[sl], self.p2p[sl], self.row[sl])
+        object.__setattr__(self, "steps", tuple((sl, np.concatenate([self.dep[sl], self.prev[sl]]), sl.stop - sl.start)
                                                for sl in self.levels))  # frozen: set once, here
 
 
@@ -212,12 +214,14 @@ def _walk(plan: Walk, seconds: np.ndarray, send: np.ndarray) -> np.ndarray:
     """Each rank's end time [pp, n]: seconds [2V, n] per operation row, send [1 + 2 pp, n] (send_rows)."""
     n = seconds.shape[1]
     end = np.zeros((plan.n_ops + 1, n))
-    for sl, prev, dep, p2p, row in plan.steps:
-        ready = end[dep]
-        ready += send[p2p]
-        np.maximum(ready, end[prev], out=ready)
-        ready += seconds[row]
-        end[sl] = ready
+    # what does not depend on the walk, gathered once: each operation's seconds and its input's transfer
+    own, over = seconds[plan.row], send[plan.p2p]
+    for sl, inputs, k in plan.steps:
+        got = end[inputs]
+        ready = got[:k]
+        ready += over[sl]
+        np.maximum(ready, got[k:], out=ready)
+        np.add(ready, own[sl], out=end[sl])
     return end[plan.last]
 
 
