@@ -13,7 +13,8 @@ Four predictions side by side:
   own constants (gpu_physics.nccl_protocols for the GPU generation, host CPU and GPU-to-NIC path: no LL128
   across nodes beyond PXB; RCCL gets its own tuning model's rows, gpu_physics.rccl_protocols: Frontier's node
   is RCCL's rome_model_63, tuning model 3) and the plateau from the NIC specification x the one
-  ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812):
+  ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812),
+  and NVLSTree for the all-reduce on the Hopper boards whose NVSwitch does multicast (NVLS below):
   nothing from any sweep;
 - 'lomo': the same with two measured properties, network.protocols.latency_scale (measured time over
   NCCL's modelled latency: a property of the network and the library, LIBRARY below) and the plateau's share
@@ -101,6 +102,20 @@ NIC_PATH_SOURCE = {
            "@624c30f; also NVlabs/FourCastNet submit_batch.sh @7595ba6), which changes NCCL's behaviour (GPUDirect "
            "RDMA up to PXB by default) only where the GPU reaches its NIC through the CPU's host bridge",
 }
+# Hopper nodes whose NVSwitch does multicast, so that NCCL may run an all-reduce as NVLSTree
+# (gpu_physics.nvls_tree_row): every HGX H100/H200/H20 board here, NCCL's default NCCL_NVLS_ENABLE=2 (on where
+# the driver reports multicast: NVIDIA/nccl src/transport/nvls.cc) and no source setting it to 0
+NVLS = {
+    "xe9680-h100-ndr": "bare-metal HGX H100, NCCL 2.26.2, no NCCL_NVLS_ENABLE in the printed env (NVIDIA/nccl-tests #309)",
+    "vm-h100-ndr": "HGX H100 passed through whole to VMs, same NCCL 2.26.2 and env as the XE9680s (NVIDIA/nccl-tests #309)",
+    "h100-ndr-8node": "HGX H100 nodes with no NCCL env (NVIDIA/nccl-tests #309); their default all-reduce on 2 nodes "
+                      "beats the 392.69 GB/s of a forced ring, which no ring over 400 GB/s of NICs can",
+    "h20-ndr": "'NVL sharp' available on the 2 H20 nodes (NVIDIA/nccl issue #1244, its title)",
+    "p5-h100": "HGX H100 in p5.48xlarge, NCCL 2.18.5 / 2.20.3, no NCCL_NVLS_ENABLE in the scripts (data file header)",
+    "a3mega-h100": "HGX H100 in A3 Mega; Google's TCPXO NCCL profile sets NCCL_NVLSTREE_MAX_CHUNKSIZE "
+                   "(nccl-env-profile.sh for the TCPXO stack, public index id 32323449514)",
+    "a3ultra-h200-roce": "HGX H200 in A3 Ultra (all-gather only here: NVLSTree is an all-reduce algorithm)",
+}
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
            "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA",
@@ -158,9 +173,9 @@ def stalls(rows: list[dict]) -> set:
 
 
 @functools.lru_cache(maxsize=None)
-def _protocols(cap, cpu, nic_path) -> gpu_physics.Protocols:
+def _protocols(cap, cpu, nic_path, nvls=False) -> gpu_physics.Protocols:
     """The library's own rows: RCCL's tuning model where cap is 'rccl' (cpu: its tuning model), else NCCL's."""
-    rows = gpu_physics.rccl_protocols(cpu) if cap == "rccl" else gpu_physics.nccl_protocols(cap, cpu, nic_path)
+    rows = gpu_physics.rccl_protocols(cpu) if cap == "rccl" else gpu_physics.nccl_protocols(cap, cpu, nic_path, nvls)
     return gpu_physics.parse({"network": {"protocols": rows}}, _Reader("the library's defaults")).protocols
 
 
@@ -174,7 +189,7 @@ def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale:
     if model == "before":
         flat = prof.replace(physics=dataclasses.replace(prof.physics, protocols=None))
         return flat if own else flat.replace(inter_busbw=nic_gbs * RING_EFFICIENCY * GB)
-    pr = dataclasses.replace(_protocols(*consts), latency_scale=latency_scale)
+    pr = dataclasses.replace(_protocols(*consts, machine in NVLS), latency_scale=latency_scale)
     return prof.replace(inter_busbw=nic_gbs * efficiency * GB,
                         physics=dataclasses.replace(prof.physics, protocols=pr))
 

@@ -59,6 +59,36 @@ def test_all_reduce_takes_the_tree_with_its_correction():
     assert across(no_tree, "all_reduce", nb, 8) == pytest.approx((114 + 1.75 * nb / 80e9 / US) * US)
 
 
+NVLS = {"protocol": "Simple", "base_us": 0, "intra_us": 25, "net_us": 20.9, "per_channel_gbs": [57.7, 45.5]}
+
+
+def test_all_reduce_takes_nvls_tree_where_the_profile_has_it():
+    """NVLSTree over 8 GPUs on 2 nodes (4 members per node, 4 heads): 25 + 2 x 1 x 20.9 = 66.8 us, the ring's
+    14/8 of the buffer over min(2 x 80, 4 x 57.7) = 160 GB/s (x NCCL's tree correction 0.8 at 64 MiB), faster
+    than the tree's 52 us + the buffer over 80 GB/s. With one member per node (2 GPUs 4 apart) no NVLSTree."""
+    p = prof(dict(PROTOCOLS, nvls_tree=[NVLS]))
+    nb = 2.0**32
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((66.8 + 1.75 * nb / 160e9 / US) * US)
+    nb = 2.0**26
+    assert across(p, "all_reduce", nb, 8) == pytest.approx((66.8 + 1.75 * nb / (160e9 * 0.8) / US) * US)
+    # all-gathers and single members per node are as without it
+    for kind, size, stride in (("all_gather", 8, 1), ("all_reduce", 2, 4)):
+        assert across(p, kind, nb, size, stride) == across(prof(), kind, nb, size, stride)
+    # on 4 nodes the head's cap is 45.5 and the NIC is not doubled: min(80, 4 x 45.5) = 80 GB/s, 25 + 4 x 20.9 us
+    t4 = (108.6 + 1.875 * 2.0**32 / 80e9 / US) * US
+    assert across(p, "all_reduce", 2.0**32, 16) == pytest.approx(t4)
+
+
+def test_nvls_tree_fields_are_checked():
+    for bad in ([dict(NVLS, protocol="LL")], [NVLS, NVLS]):
+        with pytest.raises(UserError, match="nvls_tree"):
+            prof(dict(PROTOCOLS, nvls_tree=bad))
+    from axoplan.planner import gpu_physics
+    with pytest.raises(ValueError, match="Hopper"):
+        gpu_physics.nccl_protocols(80, "amd", nvls=True)
+    assert "nvls_tree" not in gpu_physics.nccl_protocols(90, "intel")
+
+
 def test_groups_leaving_a_node_at_once_share_its_nics():
     """AxoNN's table (80, 40, 20 GB/s as 1, 2, 4 rings leave a node): all-gathers over 8 GPUs at stride 1,
     2 and 4 on 4-GPU nodes; at 800 MB the bandwidth term dominates and the times go 1 : 2 : 4 less the
@@ -137,15 +167,18 @@ def test_bundled_dgx_a100_across_two_and_sixty_four_nodes():
 
 def test_bundled_dgx_protocol_rows_are_nccls_defaults():
     """The DGX profiles serialise gpu_physics.nccl_protocols (the one definition, which calibration also
-    writes): same rows for their GPU generation and host CPU, plus their measured latency_scale."""
+    writes): same rows for their GPU generation and host CPU (NVLSTree on the Hopper boards, whose NVSwitch
+    does multicast), plus their measured latency_scale."""
     from axoplan.planner import gpu_physics
     from axoplan.planner.machine import _Reader
 
     for name, cap, cpu in (("dgx-a100", 80, "amd"), ("dgx-h100", 90, "intel"), ("dgx-h200", 90, "intel")):
-        want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu)}}, _Reader("t")).protocols
+        want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu, nvls=cap == 90)}},
+                                 _Reader("t")).protocols
         got = load_profile(name).physics.protocols
         assert got.ring == want.ring and got.tree == want.tree and got.ll_max == want.ll_max
-        assert got.latency_scale == 1.83 and want.latency_scale == 1.0
+        assert got.nvls_tree == want.nvls_tree and bool(got.nvls_tree) == (cap == 90)
+        assert got.latency_scale == 1.93 and want.latency_scale == 1.0
 
 
 def test_dgx_latency_scale_is_the_fit_to_every_published_ndr_sweep():

@@ -103,7 +103,11 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
     sizes. NCCL runs the fastest. busbw: the group's plateau, already shared among the groups that leave
     its nodes at once. With one member per node a ring's network steps cost the tree's (NCCL: 'with
-    ppn=1 latencies are fully exposed'). Every latency x the network's latency_scale x lat_scale."""
+    ppn=1 latencies are fully exposed'). Where the profile has an nvls_tree row (the node's NVSwitch does
+    multicast) an all-reduce over 2 or more members per node may take NVLSTree: intra + 2 floor(log2(nodes))
+    x net, and the ring's volume over min(2 x (on 2 nodes) the plateau, heads x per_channel), one head per
+    member up to `channels`, slowed at medium sizes by NCCL's Simple tree correction. Every latency x the
+    network's latency_scale x lat_scale."""
     nb = np.asarray(nbytes, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
     n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
@@ -140,6 +144,16 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             corr = table[np.clip(log_size, 0, len(table) - 1)]
             lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * pro.net)
             best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
+        for pro in pr.nvls_tree:  # NVLSTree: one head per member and NIC, its NIC doubled on 2 nodes
+            members = np.asarray(per_node, dtype=np.float64)
+            heads = np.minimum(pr.channels, members)
+            bus_nv = np.minimum(np.where(two, 2.0, 1.0) * bw, heads * np.where(two, *pro.per_channel))
+            # a pipelined tree too: NCCL's tree correction (which NCCL applies to NVLSTree from Blackwell on)
+            table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION["Simple"] + (1.0,))
+            corr = table[np.clip(log_size, 0, len(table) - 1)]
+            lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * pro.net
+            t = lat * lat_scale + nb * 2.0 * (p - 1) / (p * bus_nv * corr)
+            best = np.where((members >= 2) & (n > 1), np.minimum(best, t), best)
     return best
 
 

@@ -14,8 +14,8 @@ TFLOP = 1e12
 LATENCY_MODELS = ("per_step", "nccl")
 GB = 1e9
 # the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
-PROTOCOL_KEYS = {"source", "ring", "tree", "ring_plateau", "ll_max_busbw_gbs", "channels", "two_node_tree_factor",
-                 "latency_scale"}
+PROTOCOL_KEYS = {"source", "ring", "tree", "nvls_tree", "ring_plateau", "ll_max_busbw_gbs", "channels",
+                 "two_node_tree_factor", "latency_scale"}
 PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "size_correction",
                      "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
@@ -60,6 +60,9 @@ class Protocols:
     two_node_tree_factor: float = 1.0
     # measured time over NCCL's modelled latency on this network (a published sweep, or calibration's fit)
     latency_scale: float = 1.0
+    # the all-reduce's NVLink SHARP tree (NCCL's NVLSTree: the node reduces in its NVSwitch, its GPUs' NICs
+    # exchange the result): one Simple row where the node's switch does multicast; empty: none
+    nvls_tree: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,11 @@ def _protocols(net: dict, rd) -> Protocols | None:
         rd.fail(f"{where}.channels", f"must be an integer, got {ch:g}")
     plateau = rd.num(d, "ring_plateau", where, default=1.0)
     two = rd.num(d, "two_node_tree_factor", where, default=1.0)
+    nvls = rows("nvls_tree")
+    if len(nvls) > 1 or any(r.name != "Simple" for r in nvls):
+        rd.fail(f"{where}.nvls_tree", "must be one Simple row (NCCL runs NVLSTree with the Simple protocol only)")
     return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two,
-                     rd.num(d, "latency_scale", where, default=1.0))
+                     rd.num(d, "latency_scale", where, default=1.0), nvls)
 
 
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
@@ -204,14 +210,19 @@ def ll128_across_nodes(capability: int, nic_path: str) -> bool:
     return near or (capability >= 90 and nic_path == "PXN")
 
 
-def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB") -> dict | None:
+def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB", nvls: bool = False) -> dict | None:
     """network.protocols as NCCL's defaults give it for GPUs of compute capability `capability` (80 for
     A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel') whose GPUs reach their NICs by
     `nic_path` (NIC_PATHS: PXB, a PCIe switch shared by GPU and NIC as on DGX and HGX boards; PHB, through
     the CPU's host bridge), every number with its source; None for a generation whose constants are not
-    written here (before Ampere, or not NVIDIA). Beyond PXB NCCL runs no LL128 across nodes: no LL128 rows."""
+    written here (before Ampere, or not NVIDIA). Beyond PXB NCCL runs no LL128 across nodes: no LL128 rows.
+    nvls: the node's NVSwitch does multicast (HGX H100/H200 boards; NCCL_NVLS_ENABLE not 0), so NCCL may
+    run the all-reduce as NVLSTree (nvls_tree_row); Hopper only."""
     if capability < 80 or cpu_vendor not in ("amd", "intel"):
         return None
+    if nvls and not 90 <= capability < 100:
+        raise ValueError(f"NVLSTree's constants are written here for Hopper only (compute capability 90), "
+                         f"not {capability}")
     ll128 = ll128_across_nodes(capability, nic_path)
     hopper = capability >= 90
     amd = cpu_vendor == "amd"
@@ -272,7 +283,28 @@ def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB") -> d
     if not ll128:
         d["ring"] = [r for r in d["ring"] if r["protocol"] != "LL128"]
         d["tree"] = [r for r in d["tree"] if r["protocol"] != "LL128"]
+    if nvls:
+        d["nvls_tree"] = [nvls_tree_row()]
     return d
+
+
+def nvls_tree_row() -> dict:
+    """NCCL's NVLSTree all-reduce on Hopper as network.protocols.nvls_tree's one row: the node reduces
+    through its NVSwitch and each head GPU's NIC carries its share between nodes."""
+    src = NCCL_TUNING_SOURCE
+    return {"protocol": "Simple", "base_us": 0.0, "intra_us": 25.0, "net_us": 20.9, "bw_factor": 1.0,
+            "per_channel_gbs": [57.7, 45.5],
+            "source": (f"{src}: baseLat[NVLSTree] 0, hwLat[NVLINK][NVLSTree][Simple] 25, hwLat[NET][NVLSTree]"
+                       "[Simple] 20.9, latency intra + 2 x log2(nodes) x net; per head (one GPU and its NIC, up to "
+                       "channels: src/graph/search.cc maxChannels = min(NVLS arity, GPUs)) min(2 x its NIC's "
+                       "bandwidth on 2 nodes, 1 x on more; perChMaxNVLSTreeBws[Hopper] 57.7 on 2 nodes, 45.5 "
+                       "on more); algorithm bandwidth busBw x ranks / (2 (ranks - 1)); NVLink's bound "
+                       "(bwIntra x nvlsEfficiency 0.85 x 2) is above both caps on 8-GPU Hopper nodes, not "
+                       "modelled; needs 2 or more GPUs per node (src/transport/nvls.cc); bandwidth x NCCL's "
+                       "Simple treeCorrectionFactor at medium sizes, which NCCL applies to its trees and, from "
+                       "Blackwell on, to NVLSTree (ncclTopoGetAlgoTime): a documented choice for Hopper, whose "
+                       "2-node H100 sweeps run 8-64 MiB 25% slower than the uncorrected model "
+                       "(benchmarks/collective_fidelity.py)")}
 
 
 RCCL_TUNING_SOURCE = "ROCm/rccl src/graph/tuning.cc @0cbce2a (2024-10-24; baseLat, rcclTuningModel, ncclTopoGetAlgoTime)"

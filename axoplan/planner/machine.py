@@ -53,7 +53,7 @@ COLLECTIVES_KEYS = {"source": TEXT, "all_gather": COLLECTIVE_SCALE_KEYS, "reduce
 # NCCL's protocol model across nodes: its keys are gpu_physics's (PROTOCOL_KEYS, a row's PROTOCOL_ROW_KEYS),
 # the values checked where gpu_physics parses them
 _ROW = [{k: FREE for k in gpu_physics.PROTOCOL_ROW_KEYS}]
-PROTOCOLS_KEYS = {**{k: FREE for k in gpu_physics.PROTOCOL_KEYS}, "ring": _ROW, "tree": _ROW}
+PROTOCOLS_KEYS = {**{k: FREE for k in gpu_physics.PROTOCOL_KEYS}, "ring": _ROW, "tree": _ROW, "nvls_tree": _ROW}
 NETWORK_KEYS = {"source": TEXT, "latency_model": TEXT, "base_latency_us": NUM, "overlap_compute_slowdown": NUM,
                 "overlap_efficiency": NUM, "intra_node": INTRA_NODE_KEYS, "inter_node": INTER_NODE_KEYS,
                 "collectives": COLLECTIVES_KEYS, "protocols": PROTOCOLS_KEYS}
