@@ -14,7 +14,8 @@ Four predictions side by side:
   across nodes beyond PXB; RCCL gets its own tuning model's rows, gpu_physics.rccl_protocols: Frontier's node
   is RCCL's rome_model_63, tuning model 3) and the plateau from the NIC specification x the one
   ring efficiency of the NCCL team's DGX A100 statement (192 GB/s over 8 x 200 Gb/s, NVIDIA/nccl #812),
-  and NVLSTree for the all-reduce on the Hopper boards whose NVSwitch does multicast (NVLS below):
+  NVLSTree for the all-reduce on the Hopper boards whose NVSwitch does multicast (NVLS below), and the
+  latency the network plugin reports to NCCL (NET_LATENCY_US below):
   nothing from any sweep;
 - 'lomo': the same with two measured properties, network.protocols.latency_scale (measured time over
   NCCL's modelled latency: a property of the network and the library, LIBRARY below) and the plateau's share
@@ -116,6 +117,11 @@ NVLS = {
                    "(nccl-env-profile.sh for the TCPXO stack, public index id 32323449514)",
     "a3ultra-h200-roce": "HGX H200 in A3 Ultra (all-gather only here: NVLSTree is an all-reduce algorithm)",
 }
+# the latency (us) a network plugin reports to NCCL, which NCCL adds to every network step (twice for Simple):
+# aws-ofi-nccl's platform table, 75 us on p4d, p4de and p5 since v1.7 (aws/aws-ofi-nccl d87d61e 'Variable
+# internode latency reported to NCCL', in v1.7.0-aws and later: the sweeps ran v1.7.3 and v1.8.1; src/platform-aws.cpp
+# @2daf7d3); NCCL's own InfiniBand and socket transports report 0 (NVIDIA/nccl src/transport/net_ib/init.cc)
+NET_LATENCY_US = {m: 75.0 for m in ("p4dn-a100", "p4de-a100", "p5-h100")}
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one
 NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
            "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA",
@@ -189,7 +195,8 @@ def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale:
     if model == "before":
         flat = prof.replace(physics=dataclasses.replace(prof.physics, protocols=None))
         return flat if own else flat.replace(inter_busbw=nic_gbs * RING_EFFICIENCY * GB)
-    pr = dataclasses.replace(_protocols(*consts, machine in NVLS), latency_scale=latency_scale)
+    pr = dataclasses.replace(_protocols(*consts, machine in NVLS), latency_scale=latency_scale,
+                             net_latency=NET_LATENCY_US.get(machine, 0.0) * 1e-6)
     return prof.replace(inter_busbw=nic_gbs * efficiency * GB,
                         physics=dataclasses.replace(prof.physics, protocols=pr))
 

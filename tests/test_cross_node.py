@@ -79,6 +79,15 @@ def test_all_reduce_takes_nvls_tree_where_the_profile_has_it():
     assert across(p, "all_reduce", 2.0**32, 16) == pytest.approx(t4)
 
 
+def test_a_plugins_net_latency_is_added_to_every_network_step():
+    """net_latency_us 5 (what aws-ofi-nccl reports on EFA, NCCL adds to each network step, twice for Simple):
+    the all-gather of test_small_messages_take_ll_large_ones_simple pays LL 6 + 6 x 1 + (3 + 5) = 20 us and
+    Simple 8 + 6 x 4 + (10 + 2 x 5) = 52 us."""
+    p = prof(dict(PROTOCOLS, net_latency_us=5))
+    assert across(p, "all_gather", 8e5, 8) == pytest.approx((20 + 7e5 / 20e9 / US) * US)
+    assert across(p, "all_gather", 8e6, 8) == pytest.approx((52 + 7e6 / 80e9 / US) * US)
+
+
 def test_nvls_tree_fields_are_checked():
     for bad in ([dict(NVLS, protocol="LL")], [NVLS, NVLS]):
         with pytest.raises(UserError, match="nvls_tree"):

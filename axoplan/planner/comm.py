@@ -106,8 +106,9 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     ppn=1 latencies are fully exposed'). Where the profile has an nvls_tree row (the node's NVSwitch does
     multicast) an all-reduce over 2 or more members per node may take NVLSTree: intra + 2 floor(log2(nodes))
     x net, and the ring's volume over min(2 x (on 2 nodes) the plateau, heads x per_channel), one head per
-    member up to `channels`, slowed at medium sizes by NCCL's Simple tree correction. Every latency x the
-    network's latency_scale x lat_scale."""
+    member up to `channels`, slowed at medium sizes by NCCL's Simple tree correction. Every network step
+    also pays the plugin's net_latency (twice for Simple, NCCL's flush). Every latency x the network's
+    latency_scale x lat_scale."""
     nb = np.asarray(nbytes, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
     n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
@@ -123,12 +124,16 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
         return np.minimum(b, ll_cap) if pro.name == "LL" else b
 
     lat_scale = lat_scale * pr.latency_scale
+
+    def net_of(pro, hw):  # a network step: the table's plus the plugin's latency, twice for Simple (flush)
+        return hw + pr.net_latency * (2.0 if pro.name == "Simple" else 1.0)
+
     tree_net = {pro.name: pro.net for pro in pr.tree}
     one = np.asarray(per_node, dtype=np.float64) <= 1
     log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
     best = np.inf
     for pro in pr.ring:
-        net = np.where(one, tree_net.get(pro.name, pro.net), pro.net)
+        net = net_of(pro, np.where(one, tree_net.get(pro.name, pro.net), pro.net))
         lat = pro.base + (steps - net_steps) * pro.intra + net_steps * net
         if ar and pro.name == "Simple":
             lat = lat * pr.ring_plateau
@@ -142,7 +147,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
         for pro in pr.tree:  # the row's own correction (RCCL's) where it has one, else NCCL's table
             table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
             corr = table[np.clip(log_size, 0, len(table) - 1)]
-            lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * pro.net)
+            lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * net_of(pro, pro.net))
             best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
         for pro in pr.nvls_tree:  # NVLSTree: one head per member and NIC, its NIC doubled on 2 nodes
             members = np.asarray(per_node, dtype=np.float64)
@@ -151,7 +156,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             # a pipelined tree too: NCCL's tree correction (which NCCL applies to NVLSTree from Blackwell on)
             table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION["Simple"] + (1.0,))
             corr = table[np.clip(log_size, 0, len(table) - 1)]
-            lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * pro.net
+            lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * net_of(pro, pro.net)
             t = lat * lat_scale + nb * 2.0 * (p - 1) / (p * bus_nv * corr)
             best = np.where((members >= 2) & (n > 1), np.minimum(best, t), best)
     return best

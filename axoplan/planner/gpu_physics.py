@@ -15,7 +15,7 @@ LATENCY_MODELS = ("per_step", "nccl")
 GB = 1e9
 # the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
 PROTOCOL_KEYS = {"source", "ring", "tree", "nvls_tree", "ring_plateau", "ll_max_busbw_gbs", "channels",
-                 "two_node_tree_factor", "latency_scale"}
+                 "two_node_tree_factor", "latency_scale", "net_latency_us"}
 PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "size_correction",
                      "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
@@ -63,6 +63,9 @@ class Protocols:
     # the all-reduce's NVLink SHARP tree (NCCL's NVLSTree: the node reduces in its NVSwitch, its GPUs' NICs
     # exchange the result): one Simple row where the node's switch does multicast; empty: none
     nvls_tree: tuple = ()
+    # the latency a network plugin reports to NCCL (s): NCCL adds it to every network step, twice for Simple
+    # (its flush); NCCL's own InfiniBand and socket transports report 0
+    net_latency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,8 @@ def _protocols(net: dict, rd) -> Protocols | None:
     if len(nvls) > 1 or any(r.name != "Simple" for r in nvls):
         rd.fail(f"{where}.nvls_tree", "must be one Simple row (NCCL runs NVLSTree with the Simple protocol only)")
     return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two,
-                     rd.num(d, "latency_scale", where, default=1.0), nvls)
+                     rd.num(d, "latency_scale", where, default=1.0), nvls,
+                     rd.num(d, "net_latency_us", where, default=0.0, allow_zero=True) * US)
 
 
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
