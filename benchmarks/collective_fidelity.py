@@ -122,10 +122,12 @@ NVLS = {
 # internode latency reported to NCCL', in v1.7.0-aws and later: the sweeps ran v1.7.3 and v1.8.1; src/platform-aws.cpp
 # @2daf7d3); NCCL's own InfiniBand and socket transports report 0 (NVIDIA/nccl src/transport/net_ib/init.cc)
 NET_LATENCY_US = {m: 75.0 for m in ("p4dn-a100", "p4de-a100", "p5-h100")}
-# the network and transport each machine's collectives ran on: latency_scale transfers only within one
-NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA",
-           "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA",
-           "p5-h100": "AWS EFA", "xe9680-h100-ndr": "InfiniBand NDR", "vm-h100-ndr": "InfiniBand NDR",
+# the network and transport each machine's collectives ran on: latency_scale transfers only within one. On EFA
+# the transport is aws-ofi-nccl's protocol, which its platform table sets per instance: SENDRECV on p4d and
+# p4de, RDMA write on p5 (aws/aws-ofi-nccl src/platform-aws.cpp @2daf7d3, default_protocol)
+NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA (SENDRECV)",
+           "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA (SENDRECV)",
+           "p5-h100": "AWS EFA (RDMA)", "xe9680-h100-ndr": "InfiniBand NDR", "vm-h100-ndr": "InfiniBand NDR",
            "h100-ndr-8node": "InfiniBand NDR", "oci-gpu4-a100": "RoCE (OCI)", "abci-a100-hdr": "InfiniBand HDR",
            "a3ultra-h200-roce": "RoCE (gIB)"}
 # the communication library: its per-step latencies are its own (RCCL's tuning tables are not NCCL's), so a
@@ -229,6 +231,8 @@ SHARES = np.round(np.arange(0.30, 1.2001, 0.01), 2)
 
 def fit_network(rows: list[dict]) -> tuple[float, float]:
     """(latency_scale, plateau share of the NIC line rate) minimising the mean |log(pred/meas)| over rows."""
+    if all(float(r["bytes"]) >= PLATEAU_BYTES for r in rows):  # no latency-bound row to fit it: NCCL's latency
+        return 1.0, fit_share(rows)
     loss = np.zeros((len(SCALES), len(SHARES)))
     for r in rows:
         loss += np.abs(np.log(predict(r, "protocols", SCALES[:, None], SHARES[None, :]) / (float(r["time_us"]) * 1e-6)))
