@@ -59,6 +59,17 @@ def test_all_reduce_takes_the_tree_with_its_correction():
     assert across(no_tree, "all_reduce", nb, 8) == pytest.approx((114 + 1.75 * nb / 80e9 / US) * US)
 
 
+def test_tree_depth_is_nccls_log2i_of_the_nodes():
+    """NCCL's tree latency counts log2i(nNodes) network hops, the floor: 12 GPUs on 3 nodes pay 1 hop, as 2
+    nodes do (ceil would give 2), 20 on 5 nodes 2. Tree Simple on 3 nodes: 8 + 2 x (3 x 4 + 1 x 10) = 52 us,
+    on 5 nodes 8 + 2 x (3 x 4 + 2 x 10) = 72 us, each over half of 80 GB/s (more than 2 nodes) at 4 GiB,
+    where the tree correction is 1 (the ring's network steps made slow, so that the tree is taken)."""
+    p = prof(dict(PROTOCOLS, ring=[dict(PROTOCOLS["ring"][1], net_us=1e6)]))
+    nb = 2.0**32
+    assert across(p, "all_reduce", nb, 12) == pytest.approx((52 + nb / 40e9 / US) * US)
+    assert across(p, "all_reduce", nb, 20) == pytest.approx((72 + nb / 40e9 / US) * US)
+
+
 NVLS = {"protocol": "Simple", "base_us": 0, "intra_us": 25, "net_us": 20.9, "per_channel_gbs": [57.7, 45.5]}
 
 

@@ -76,7 +76,7 @@ def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
     passes = 2.0 if kind == "all_reduce" else 1.0
     ring = passes * ((p - n) * a_in + (n - 1) * a_net)  # p-1 steps of which n-1 cross a node boundary
     if kind == "all_reduce":
-        tree = 2.0 * ((m - 1) * a_in + np.ceil(np.log2(n)) * a_net)
+        tree = 2.0 * ((m - 1) * a_in + np.floor(np.log2(n)) * a_net)  # NCCL's log2i: floor
         ring = np.where(n > 1, np.minimum(ring, tree), ring)
     t = (profile.physics.base_latency * c + ring) * profile.coll_lat_scale[kind]
     return np.where(p > 1, t, 0.0)
@@ -99,7 +99,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     x ring_plateau) plus the buffer's ring volume over its bus bandwidth (x the row's size_correction at
     log2(bytes / 64) where it has one: RCCL's ringCorrectionFactor), min(bw_factor x the group's
     plateau busbw, channels x per_channel; LL also under ll_max); an all-reduce may take the tree instead:
-    base + 2((members per node - 1) x intra + log2(nodes) x net) plus the buffer over half the bus
+    base + 2((members per node - 1) x intra + floor(log2(nodes)) x net) plus the buffer over half the bus
     bandwidth (on 2 nodes two_node_tree_factor x the plateau), slowed by NCCL's tree correction at medium
     sizes. NCCL runs the fastest. busbw: the group's plateau, already shared among the groups that leave
     its nodes at once. With one member per node a ring's network steps cost the tree's (NCCL: 'with
@@ -142,7 +142,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             b = b * np.array(pro.size_correction)[np.clip(log_size, 0, len(pro.size_correction) - 1)]
         best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / b)
     if ar:
-        lg = np.ceil(np.log2(n))
+        lg = np.floor(np.log2(n))  # NCCL's log2i(nNodes), as its logSize: floor
         tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
         for pro in pr.tree:  # the row's own correction (RCCL's) where it has one, else NCCL's table
             table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
