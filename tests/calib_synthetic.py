@@ -27,19 +27,22 @@ def meta(world=4, ranks_per_node=4, **kw):
     return m
 
 
-def nccl_truth(lat_scale: float, nic_path: str = "PXB"):
-    """NCCL's default protocol rows for an H100 on Intel hosts (the synthetic GPU run's truth)."""
+def nccl_truth(lat_scale: float, nic_path: str = "PXB", nvls: bool = False):
+    """NCCL's default protocol rows for an H100 on Intel hosts (the synthetic GPU run's truth); nvls: with
+    NVLSTree, as on HGX boards whose NVSwitch does multicast."""
     from axoplan.planner import gpu_physics
     from axoplan.planner.machine import _Reader
 
-    d = gpu_physics.nccl_protocols(90, "intel", nic_path)
+    d = gpu_physics.nccl_protocols(90, "intel", nic_path, nvls)
     return gpu_physics.parse({"network": {"protocols": d}}, _Reader("test")).protocols, lat_scale
 
 
-def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, nic_path=None) -> ResultsDir:
+def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, nic_path=None,
+          nvls=None) -> ResultsDir:
     """gpu_truth: (busbw of one ring leaving a node, latency scale) -- a GPU run whose groups crossing nodes
     follow NCCL's protocol model with those two numbers (comm.protocol_time), the rest as on CPUs; nic_path:
-    the GPU-to-NIC path the worker recorded (None: none recorded, an older run), which the truth's rows follow."""
+    the GPU-to-NIC path the worker recorded (None: none recorded, an older run), which the truth's rows follow;
+    nvls: whether the worker found NVLS (None: not recorded, an older run), which the truth follows too."""
     from axoplan.planner.comm import protocol_time
 
     rng = random.Random(seed)
@@ -49,6 +52,8 @@ def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, n
         md.update(cuda="12.4", cuda_capability=90, cpu_vendor="intel", device="Test GPU")
         if nic_path is not None:
             md["nic_path"] = nic_path
+        if nvls is not None:
+            md["nvls"] = nvls
     md["status"] = "running"
     rd.start(md)
 
@@ -61,7 +66,7 @@ def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, n
         for c in COLLECTIVES:
             for nbytes in [2**e for e in range(10, 27 if gpu_truth is None or not cross else 33, 2)]:
                 if cross and gpu_truth is not None:
-                    pr, lat = nccl_truth(gpu_truth[1], nic_path or "PXB")
+                    pr, lat = nccl_truth(gpu_truth[1], nic_path or "PXB", bool(nvls))
                     m = max(min(ranks_per_node // s, p), 1)
                     t = jitter(float(protocol_time(pr, c, nbytes, p, m, -(-p // m), gpu_truth[0] / min(s, ranks_per_node),
                                                    lat)))

@@ -128,6 +128,47 @@ def test_gpu_run_through_the_host_bridge_writes_no_ll128_rows(tmp_path):
     assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
 
 
+def test_gpu_run_with_nvls_writes_nccls_nvls_tree_row(tmp_path):
+    """The same run on Hopper nodes whose NVSwitch does multicast (the worker recorded nvls): the truth's
+    all-reduces across nodes may take NVLSTree, the written profile has NCCL's NVLSTree row
+    (gpu_physics.nvls_tree_row), and the fit through it still recovers the plateau and the latency scale. A
+    run that recorded no NVLS writes none; nor does a Blackwell run, whose NVLSTree constants are not written."""
+    from axoplan.planner import gpu_physics
+
+    rd = write(tmp_path / "r", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6), nvls=True)
+    built = profile_writer.build(rd, "gpu-nodes", "t.csv")
+    pr = built.profile["network"]["protocols"]
+    assert pr["nvls_tree"] == [gpu_physics.nvls_tree_row()]
+    assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
+    assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
+    from axoplan.planner.machine import load_profile
+
+    profile_writer.write(rd, tmp_path / "gpu.yaml")
+    assert load_profile(str(tmp_path / "gpu.yaml")).physics.protocols.nvls_tree
+    # without NVLS in the fit the NVLSTree truth is not explained as well
+    off = write(tmp_path / "off", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6), nvls=True)
+    m = off.meta()
+    m["nvls"] = False
+    off.write_meta(m)
+    plain = profile_writer.build(off, "gpu-nodes", "t.csv")
+    assert "nvls_tree" not in plain.profile["network"]["protocols"]
+    assert plain.summary["protocols"]["rms_rel_err"] > built.summary["protocols"]["rms_rel_err"]
+    m.update(nvls=True, cuda_capability=100)
+    off.write_meta(m)
+    blackwell = profile_writer.build(off, "gpu-nodes", "t.csv").profile["network"]["protocols"]
+    assert "nvls_tree" not in blackwell and "Hopper only (compute capability 100)" in blackwell["source"]
+
+
+@pytest.mark.parametrize("env, multicast, want", [
+    (None, True, True), (None, False, False), (None, None, False), ("2", True, True),
+    ("0", True, False), ("1", False, True), ("1", None, True)])
+def test_nvls_follows_nccls_rule(env, multicast, want):
+    """NCCL_NVLS_ENABLE 0 off, 1 on, unset or 2 (the default) where the driver reports multicast."""
+    from axoplan.calibrate.worker import nvls_enabled
+
+    assert nvls_enabled(env, multicast) is want
+
+
 def test_nic_path_from_nvidia_smi_topo():
     """The nearest NIC of the rank's GPU in `nvidia-smi topo -m`, in NCCL's path names (NODE is through the CPU)."""
     from axoplan.calibrate.worker import nic_path_from_topo

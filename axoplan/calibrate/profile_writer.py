@@ -356,7 +356,7 @@ def _device_section(meta: dict, tag: str) -> dict:
 
 def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
     """network.protocols for a GPU run across nodes: NCCL's default rows for the GPU generation, host CPU and
-    GPU-to-NIC path the worker recorded (no LL128 rows beyond PXB), their latencies scaled and the plateau fitted to the groups that cross nodes (the
+    GPU-to-NIC path the worker recorded (no LL128 rows beyond PXB; NVLSTree where it found NVLS), their latencies scaled and the plateau fitted to the groups that cross nodes (the
     size x node-count curves). None where NCCL's defaults for the device are not written in axoplan (no
     CUDA, before Ampere, an unknown host CPU)."""
     from axoplan.calibrate.fit import fit_protocols
@@ -366,11 +366,17 @@ def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
     if not meta.get("cuda"):
         return None, None
     path = str(meta.get("nic_path") or "PXB")  # an older run, or no nvidia-smi: NCCL's rows as on DGX/HGX boards
-    d = gpu_physics.nccl_protocols(int(meta.get("cuda_capability") or 0), str(meta.get("cpu_vendor") or ""),
-                                   path if path in gpu_physics.NIC_PATHS else "PXB")
+    cap = int(meta.get("cuda_capability") or 0)
+    # NVLSTree needs 2 or more GPUs of a node in the group (nvls.cc); its constants are written for Hopper only
+    nvls = bool(meta.get("nvls")) and meta["ranks_per_node"] >= 2
+    d = gpu_physics.nccl_protocols(cap, str(meta.get("cpu_vendor") or ""),
+                                   path if path in gpu_physics.NIC_PATHS else "PXB", nvls and 90 <= cap < 100)
     cross = [r for r in rows if r["crosses_nodes"]]
     if d is None or len(cross) < 2:
         return None, None
+    if nvls and not 90 <= cap < 100:
+        d["source"] += (f"; the worker found NVLS multicast, but NVLSTree's constants are written here for Hopper "
+                        f"only (compute capability {cap}): no nvls_tree row, the fit takes the ring and tree alone")
     pr = gpu_physics.parse({"network": {"protocols": d}}, _Reader("NCCL's default protocols")).protocols
     f = fit_protocols(pr, cross, meta["ranks_per_node"], busbw0)
     d["latency_scale"] = {"value": _r(f.latency_scale, 4), "source": (

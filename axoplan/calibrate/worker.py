@@ -177,6 +177,38 @@ def _nic_path(gpu: int) -> str:
     return nic_path_from_topo(out.stdout, gpu)
 
 
+# CUdevice_attribute CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (cuda.h, CUDA 12.1 on): the NVSwitch does multicast
+MULTICAST_ATTRIBUTE = 132
+
+
+def nvls_enabled(nvls_env: str | None, multicast: bool | None) -> bool:
+    """Whether NCCL may run NVLS algorithms (NVLSTree across nodes) here, by its own rule (NVIDIA/nccl
+    src/transport/nvls.cc): NCCL_NVLS_ENABLE 0 turns them off, 1 on, and its default 2 asks the driver whether
+    the device does multicast (`multicast`: None where the driver could not be asked)."""
+    v = (nvls_env or "2").strip()
+    if v == "0":
+        return False
+    if v == "2":
+        return bool(multicast)
+    return True
+
+
+def _multicast(gpu: int) -> bool | None:
+    """cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) of GPU `gpu` from the driver library,
+    None where it cannot be asked (no libcuda, a driver before CUDA 12.1, an error)."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, val = ctypes.c_int(), ctypes.c_int(0)
+        if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), gpu)
+                or cuda.cuDeviceGetAttribute(ctypes.byref(val), MULTICAST_ATTRIBUTE, dev)):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return bool(val.value)
+
+
 def merge_meta(old: dict, new: dict, parts: set) -> dict:
     """The meta of an earlier complete run with `parts` measured again now: its own fields kept (they
     describe the parts that stay), the date of every part recorded, the new load averages kept apart."""
@@ -320,6 +352,8 @@ def main(argv=None) -> int:
         "cpu_vendor": _cpu_vendor(),
         # and LL128 runs across nodes only where the GPU reaches its NIC by PXB or nearer
         "nic_path": _nic_path(device.index or 0) if cuda else "",
+        # and an all-reduce may take NVLSTree where the NVSwitch does multicast (network.protocols.nvls_tree)
+        "nvls": nvls_enabled(os.environ.get("NCCL_NVLS_ENABLE"), _multicast(device.index or 0)) if cuda else False,
         "dtype": "bf16" if cuda else "fp32",
         "world": world,
         "ranks_per_node": local_world,
