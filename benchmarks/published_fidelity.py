@@ -258,14 +258,32 @@ def korthikanti():
     return runs, out
 
 
+def _swapped(rows: list[dict]) -> set:
+    """Indices of rows that repeat another row of the same run with its time and TFLOP/s in each other's columns
+    (BLOOM's 'Trying with ZeRO_STAGE=0/1' table prints the 48-node contenders' 134.02 s at 120.29 TFLOP/s as
+    120.29 and 134.02: the Megatron-DeepSpeed formula gives exactly 120.29 TFLOP/s at 134.02 s)."""
+    key = ("model", "layers", "hidden", "heads", "micro_batch", "global_batch", "tp", "pp", "dp", "date_2022")
+    pairs = {(tuple(r[k] for k in key), _f(r["time_per_iteration"]), _f(r["tflops_per_gpu_reported"])): i
+             for i, r in enumerate(rows)}
+    return {i for (k, t, tf), i in pairs.items() if t is not None and t != tf and pairs.get((k, tf, t), i) < i}
+
+
 def bloom():
     src = "bloom_tr11_topology_search_jeanzay_a100.csv"
     runs, out = [], []
-    for r in read_table(src):
+    table = read_table(src)
+    swapped = _swapped(table)
+    for i, r in enumerate(table):
         label = f"{r['model']} L{r['layers']} tp{r['tp']} pp{r['pp']} dp{r['dp']} mb{r['micro_batch']} {r['date_2022']}"
         t = _f(r["time_per_iteration"])
+        batch = int(r["global_batch"])
         oom = r["status"] == "OOM"
-        if int(r["tp"]) * int(r["pp"]) * int(r["dp"]) != int(r["gpus"]):
+        if i in swapped:
+            reason = "an earlier row's run with its time and TFLOP/s swapped (the source's ZeRO-stage table)"
+        elif "ZeRO stage 0" in r["framework"]:
+            # the same table, so its two numbers may be swapped too; and its unsharded optimizer is not MEGATRON_DEEPSPEED
+            reason = "ZeRO stage 0, in the table that swaps time and TFLOP/s: its time is not known"
+        elif int(r["tp"]) * int(r["pp"]) * int(r["dp"]) != int(r["gpus"]):
             reason = f"tp x pp x dp = {int(r['tp']) * int(r['pp']) * int(r['dp'])} is not the row's {r['gpus']} GPUs"
         elif r["status"] not in ("ok", "OOM"):
             reason = f"status {r['status']} (no time)"
@@ -282,18 +300,25 @@ def bloom():
             L, h, s, V, B = int(float(r["layers"])), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"]), int(r["global_batch"])
             flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / int(r["gpus"])
             k = flop / (t * 1e12) / float(r["tflops_per_gpu_reported"])
-            reason = (None if 2 / 3 < k < 1.5 else
-                      f"time and the row's own TFLOP/s disagree {k:.1f}x at global batch {B}: batch not reliable")
+            reason = None if 2 / 3 < k < 1.5 else (
+                f"time and the row's own TFLOP/s disagree {k:.1f}x at global batch {B}: batch not reliable")
+            if reason and B % round(k) == 0 and abs(k / round(k) - 1) < 0.005:
+                # agreeing to 0.5% at an integer fraction of the batch: the batch Megatron-DeepSpeed counted (the
+                # single-node 18B rows: 'GBS=512' in the source's heading, 2048 in its table)
+                batch, reason = B // round(k), None
+                label += f" (batch {B // round(k)} by its TFLOP/s)"
         if reason:
             out.append((src, label, reason))
             continue
         model = _gpt(f"bloom-{r['params_b']}b-L{int(float(r['layers']))}", r["layers"], r["hidden"], r["heads"],
                      r["vocab"], r["seq_len"])
         # Kendall tau within each date's block of runs (the search changed the model between blocks)
-        runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), int(r["global_batch"]), int(r["seq_len"]),
+        # a single node's runs (no network, no pipeline) are not ranked against the 48-node runs of their date
+        group = f"bloom-jeanzay:{r['date_2022']}" + (" one node" if int(r["nodes"]) == 1 else "")
+        runs.append(Run("bloom-jeanzay", src, label, model, int(r["gpus"]), batch, int(r["seq_len"]),
                         (1, int(r["tp"]), 1, int(r["dp"])), "yzx", int(r["micro_batch"]),
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
-                        f"bloom-jeanzay:{r['date_2022']}", ["OOM in the source"] if oom else [],
+                        group, ["OOM in the source"] if oom else [],
                         MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
                         pp=int(r["pp"]), oom=oom, measured_mem_gib=memory_gib(r["max_mem"])))
     return runs, out

@@ -36,3 +36,30 @@ def test_bloom_rows_carry_the_sources_memory(pf):
     mem = [r.measured_mem_gib for r in runs if r.measured_mem_gib is not None]
     assert len(mem) > 40 and all(20 < m <= 80 for m in mem)
     assert all(r.measured_mem_gib is None for r in runs if r.oom)
+
+
+def test_a_row_repeating_another_with_time_and_tflops_swapped_is_found(pf):
+    """Rows 0 and 2 are one run with its two numbers in each other's columns (as BLOOM's ZeRO-stage table prints
+    the 48-node contenders' 134.02 s at 120.29 TFLOP/s): the later one is the repeat; another configuration with
+    the same two numbers (row 3) and a plain repeat (row 1) are not."""
+    base = dict(model="m", layers="72", hidden="14336", heads="64", micro_batch="2", global_batch="2048", tp="8",
+                pp="12", dp="4", date_2022="02-21")
+    rows = [dict(base, time_per_iteration="134.02", tflops_per_gpu_reported="120.29"),
+            dict(base, time_per_iteration="134.02", tflops_per_gpu_reported="120.29"),
+            dict(base, time_per_iteration="120.29", tflops_per_gpu_reported="134.02"),
+            dict(base, micro_batch="4", time_per_iteration="120.29", tflops_per_gpu_reported="134.02")]
+    assert pf._swapped(rows) == {2}
+
+
+def test_bloom_leaves_out_the_swapped_and_zero_stage_0_rows_and_reads_the_single_node_batch(pf):
+    """The source's ZeRO-stage table: its ZeRO-1 row is the contenders' run swapped, its ZeRO-0 row's time unknown;
+    the single-node 18B rows agree with their TFLOP/s at global batch 512 (the source's heading), not the 2048 of
+    its table, and form a group of their own."""
+    runs, out = pf.bloom()
+    reasons = [why for _, label, why in out if "181B L72 tp8 pp12 dp4 mb2 02-21" in label]
+    assert len(reasons) == 2 and any("swapped" in w for w in reasons) and any("ZeRO stage 0" in w for w in reasons)
+    same = [r.measured_s for r in runs if r.label == "BLOOM-prototype 181B L72 tp8 pp12 dp4 mb2 02-21"]
+    assert same == [134.02]
+    one = [r for r in runs if r.gpus == 8]
+    assert len(one) == 3 and {r.global_batch for r in one} == {512}
+    assert {r.group for r in one} == {"bloom-jeanzay:02-21 one node"}
