@@ -21,8 +21,8 @@ Four predictions side by side:
   NCCL's modelled latency: a property of the network and the library, LIBRARY below) and the plateau's share
   of the NIC line rate (inter_node.busbw_gbs over the NICs: a property of the network, NETWORK below), each
   from the judged rows of the other machines that share what it is a property of (the plateau from their
-  rows of 256 MiB and more; the latency scale from the network alone where its libraries share one transport,
-  SHARED_TRANSPORT below); on a network no other sweep ran on, the median of the latency scales the
+  rows of 256 MiB and more; the latency scale from every other machine on the network, whatever its library,
+  where its libraries share one transport, SHARED_TRANSPORT below); on a network no other sweep ran on, the median of the latency scales the
   library's other machines fit to their own rows, and NCCL's 0.96: leave-one-machine-out;
 - 'own': the same two fitted to the machine's own rows (what `calibrate --emit-slurm` does on a user's
   cluster; in-sample, for reference).
@@ -89,6 +89,9 @@ MACHINES = {
                           "the A3 family"),
     "perlmutter-a100": ("perlmutter", 100.0, (80, "amd", "PHB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
+    "alps-gh200": ("alps", 100.0, (90, "arm", "P2C"), True,
+                   "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv 'Alps node', Singh et al. SC24 Sec. VI-B); Grace "
+                   "(Arm) hosts"),
     "frontier-mi250x": ("frontier", 100.0, ("rccl", 3, "PXB"), True,
                         "4 x Slingshot-11 at 25 GB/s per node (machine_facts.csv, Singh et al. SC24 Sec. VI-B)"),
 }
@@ -98,6 +101,8 @@ NIC_PATH_SOURCE = {
            "them; OCI BM.GPU4.8 by its topology file) put "
            "each GPU and its NIC under one PCIe switch; on Frontier RCCL's own rows, which have no LL128 (its NICs hang "
            "off the MI250X packages)",
+    "P2C": "NCCL's path type for a Grace Hopper GPU, which reaches the Slingshot NICs on its Grace's PCIe through "
+           "the C2C link (NVIDIA/nccl src/graph/topo.h PATH_P2C); Hopper runs LL128 across it (NCCL_LL128_C2C, default 1)",
     "PHB": "inferred for Perlmutter's GPU nodes: jobs there set NCCL_NET_GDR_LEVEL=PHB, the sweep's own script "
            "among them (axonn-ai/sc2025-pccl-reproducer scripts/perlmutter/run_raw_collectives_benchmark.sh "
            "@624c30f; also NVlabs/FourCastNet submit_batch.sh @7595ba6), which changes NCCL's behaviour (GPUDirect "
@@ -125,7 +130,7 @@ NET_LATENCY_US = {m: 75.0 for m in ("p4dn-a100", "p4de-a100", "p5-h100")}
 # the network and transport each machine's collectives ran on: latency_scale transfers only within one. On EFA
 # the transport is aws-ofi-nccl's protocol, which its platform table sets per instance: SENDRECV on p4d and
 # p4de, RDMA write on p5 (aws/aws-ofi-nccl src/platform-aws.cpp @2daf7d3, default_protocol)
-NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA (SENDRECV)",
+NETWORK = {"alps-gh200": "Slingshot-11", "a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-a100": "AWS EFA (SENDRECV)",
            "perlmutter-a100": "Slingshot-11", "frontier-mi250x": "Slingshot-11", "p4de-a100": "AWS EFA (SENDRECV)",
            "p5-h100": "AWS EFA (RDMA)", "xe9680-h100-ndr": "InfiniBand NDR", "vm-h100-ndr": "InfiniBand NDR",
            "h100-ndr-8node": "InfiniBand NDR", "oci-gpu4-a100": "RoCE (OCI)", "abci-a100-hdr": "InfiniBand HDR",
@@ -133,7 +138,7 @@ NETWORK = {"a3mega-h100": "GPUDirect-TCPXO", "h20-ndr": "InfiniBand NDR", "p4dn-
 # the communication library: its per-step latencies are its own (RCCL's tuning tables are not NCCL's), so a
 # latency scale transfers only between machines sharing network and library; the plateau, a property of the
 # NICs and the fabric, between machines sharing the network
-LIBRARY = {"a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn-a100": "NCCL", "perlmutter-a100": "NCCL",
+LIBRARY = {"alps-gh200": "NCCL", "a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn-a100": "NCCL", "perlmutter-a100": "NCCL",
            "frontier-mi250x": "RCCL", "p4de-a100": "NCCL", "p5-h100": "NCCL", "xe9680-h100-ndr": "NCCL",
            "vm-h100-ndr": "NCCL", "h100-ndr-8node": "NCCL", "oci-gpu4-a100": "NCCL", "abci-a100-hdr": "NCCL",
            "a3ultra-h200-roce": "NCCL"}
@@ -250,17 +255,18 @@ def fit_share(rows: list[dict]) -> float:
 
 def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
     """(latency_scale, plateau share) for `machine` from the other machines' rows only: both fitted together
-    on those sharing its network and library; else on those sharing its network (SHARED_TRANSPORT: the same
-    transport under both libraries); else the plateau share from those and the latency NCCL's; a network no
+    on those sharing its network, whatever their library, where its libraries reach it through one transport
+    (SHARED_TRANSPORT: what a network step costs beyond a library's table is the transport's, so each machine on
+    it is evidence alike); else on those sharing its network and library; else the plateau share from those and the latency NCCL's; a network no
     other sweep ran on gets the median of the latency scales each other machine of its library fits to its
     own rows (on the sweeps here every such fit is above NCCL's 1 but ABCI's, whose rows end at 32 MiB: NCCL's
     latency sits below what networks deliver) and NCCL's plateau share; with no other machine at all, NCCL's defaults."""
     others = [r for r in rows if r["machine"] != machine and NETWORK[r["machine"]] == NETWORK[machine]]
     same_lib = [r for r in others if LIBRARY[r["machine"]] == LIBRARY[machine]]
-    if same_lib:
-        return fit_network(same_lib)
     if others and NETWORK[machine] in SHARED_TRANSPORT:
         return fit_network(others)
+    if same_lib:
+        return fit_network(same_lib)
     if others:
         return 1.0, fit_share(others)
     peers = sorted({r["machine"] for r in rows if r["machine"] != machine and LIBRARY[r["machine"]] == LIBRARY[machine]})

@@ -263,6 +263,10 @@ def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():
     # on Slingshot both libraries reach the network through one transport: both fitted on the other's rows
     assert "Slingshot-11" in cf.SHARED_TRANSPORT
     assert cf.leave_one_out(other + rows, "perlmutter-a100") == cf.fit_network(other)
+    # and a machine of its own library there is evidence alike, not before the other library's
+    alps = [dict(r, machine="alps-gh200", time_us=r["time_us"] * 1.5) for r in rows]
+    assert cf.leave_one_out(other + alps + rows, "perlmutter-a100") == cf.fit_network(other + alps)
+    assert cf.fit_network(other + alps) != cf.fit_network(alps)
     # elsewhere another library's rows give the plateau share alone, the latency NCCL's own
     shared, cf.SHARED_TRANSPORT = cf.SHARED_TRANSPORT, set()
     try:
@@ -289,12 +293,30 @@ def test_no_ll128_across_nodes_beyond_pxb():
     phb = gpu_physics.nccl_protocols(80, "amd", "PHB")
     assert names(phb, "ring") == ["LL", "Simple"] and names(phb, "tree") == ["LL", "Simple"]
     assert "no LL128 across nodes" in phb["source"]
-    for cap, path, kept in ((80, "PIX", True), (80, "PXB", True), (80, "PXN", False), (90, "PXN", True),
-                            (90, "SYS", False)):
+    for cap, path, kept in ((80, "PIX", True), (80, "PXB", True), (80, "P2C", False), (80, "PXN", False),
+                            (90, "P2C", True), (90, "PXN", True), (90, "PHB", False), (90, "SYS", False)):
         assert ("LL128" in names(gpu_physics.nccl_protocols(cap, "intel", path), "ring")) is kept, (cap, path)
     assert gpu_physics.nccl_protocols(80, "amd") == gpu_physics.nccl_protocols(80, "amd", "PXB")
     with pytest.raises(ValueError, match="GPU-to-NIC path"):
         gpu_physics.nccl_protocols(80, "amd", "NVL")
+
+
+def test_an_arm_host_gets_an_intel_hosts_constants():
+    """NCCL's getNetOverhead is 2 us for AMD x86 hosts alone, and its llMaxBws row for multi-node jobs is AMD's for
+    AMD hosts alone: a Grace (Arm) host's rows are an Intel host's, only the source says which host it is."""
+    from axoplan.planner import gpu_physics
+
+    arm, intel = gpu_physics.nccl_protocols(90, "arm", "P2C"), gpu_physics.nccl_protocols(90, "intel", "P2C")
+    assert "Arm host CPUs (Grace)" in arm.pop("source") and "Intel x86 host CPUs" in intel.pop("source")
+    assert arm == intel
+    assert gpu_physics.nccl_protocols(90, "power", "PXB") is None
+
+
+def test_the_worker_names_an_arm_host(monkeypatch):
+    from axoplan.calibrate import worker
+
+    monkeypatch.setattr(worker.platform, "machine", lambda: "aarch64")
+    assert worker._cpu_vendor() == "arm"
 
 
 def test_a_rows_size_correction_slows_medium_messages_across_nodes():

@@ -136,7 +136,10 @@ def _cpu_name() -> str:
 
 
 def _cpu_vendor() -> str:
-    """'amd' or 'intel' from /proc/cpuinfo's vendor_id (NCCL's tuning differs by host CPU vendor), else ''."""
+    """'amd' or 'intel' from /proc/cpuinfo's vendor_id (NCCL's tuning differs by host CPU vendor), 'arm' on an Arm
+    host (Grace: NCCL gives it an Intel host's constants), else ''."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return "arm"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

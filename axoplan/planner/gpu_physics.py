@@ -200,29 +200,33 @@ def _protocols(net: dict, rd) -> Protocols | None:
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
 
 
-# NCCL's GPU-to-NIC path types, nearest first (src/graph/topo.h topoPathTypeStr); LL128 runs across nodes only
-# where the ring's GPU-NIC path is PXB or nearer (tuning.cc ncclTopoTuneModel: 'Enable LL128 by default only on
-# Volta/Ampere/Hopper+NVLink', pEnable &= typeInter <= PATH_PXB; Hopper also over PXN)
-NIC_PATHS = ("PIX", "PXB", "PXN", "PHB", "SYS")
+# NCCL's GPU-to-NIC path types, nearest first (src/graph/topo.h topoPathTypeStr; P2C: through the Grace-Hopper C2C
+# link to the CPU, then PCIe to the NIC); LL128 runs across nodes only where the ring's GPU-NIC path is PXB or
+# nearer (tuning.cc ncclTopoTuneModel: pEnable &= typeInter <= PATH_PXB), on Hopper and later up to PXN, P2C
+# included (NCCL_LL128_C2C, default 1: 'Enable LL128 by default only on Hopper/Blackwell for all connections up to
+# P2C and PXN')
+NIC_PATHS = ("PIX", "PXB", "P2C", "PXN", "PHB", "SYS")
 
 
 def ll128_across_nodes(capability: int, nic_path: str) -> bool:
     """Whether NCCL enables LL128 for inter-node rings and trees with this GPU-to-NIC path."""
     if nic_path not in NIC_PATHS:
         raise ValueError(f"unknown GPU-to-NIC path {nic_path!r} (known: {', '.join(NIC_PATHS)})")
-    near = NIC_PATHS.index(nic_path) <= NIC_PATHS.index("PXB")
-    return near or (capability >= 90 and nic_path == "PXN")
+    i = NIC_PATHS.index(nic_path)
+    return i <= NIC_PATHS.index("PXB") or (capability >= 90 and i <= NIC_PATHS.index("PXN"))
 
 
 def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB", nvls: bool = False) -> dict | None:
     """network.protocols as NCCL's defaults give it for GPUs of compute capability `capability` (80 for
-    A100, 90 for H100) on hosts of `cpu_vendor` ('amd' or 'intel') whose GPUs reach their NICs by
+    A100, 90 for H100) on hosts of `cpu_vendor` ('amd', 'intel' or 'arm') whose GPUs reach their NICs by
     `nic_path` (NIC_PATHS: PXB, a PCIe switch shared by GPU and NIC as on DGX and HGX boards; PHB, through
-    the CPU's host bridge), every number with its source; None for a generation whose constants are not
-    written here (before Ampere, or not NVIDIA). Beyond PXB NCCL runs no LL128 across nodes: no LL128 rows.
+    the CPU's host bridge; P2C, Grace Hopper's C2C link and then PCIe), every number with its source; None for a
+    generation whose constants are not written here (before Ampere, or not NVIDIA). NCCL gives an Arm host
+    (Grace) an Intel x86 host's constants: getNetOverhead is 2 us for AMD x86 alone and 1 us otherwise, and
+    llMaxBws takes its AMD row for AMD hosts alone (tuning.cc). Beyond PXB NCCL runs no LL128 across nodes: no LL128 rows.
     nvls: the node's NVSwitch does multicast (HGX H100/H200 boards; NCCL_NVLS_ENABLE not 0), so NCCL may
     run the all-reduce as NVLSTree (nvls_tree_row); Hopper only."""
-    if capability < 80 or cpu_vendor not in ("amd", "intel"):
+    if capability < 80 or cpu_vendor not in ("amd", "intel", "arm"):
         return None
     if nvls and not 90 <= capability < 100:
         raise ValueError(f"NVLSTree's constants are written here for Hopper only (compute capability 90), "
@@ -241,8 +245,10 @@ def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB", nvls
     tree_ll128 = [36.7, 29.0] if hopper else [20.0, 20.0]  # perChMaxTreeLL128Bws: 2 nodes, more
     tree_simple = [41.4, 36.0] if hopper else [23.6, 17.8]  # perChMaxTreeBws: 2 nodes, more
     d = {
-        "source": (f"{src}; {gen} GPUs (compute capability {capability}), {'AMD' if amd else 'Intel'} x86 host "
-                   f"CPUs: getNetOverhead {over:g} us, x3 for Simple, raises each intra-node step of an inter-node "
+        "source": (f"{src}; {gen} GPUs (compute capability {capability}), "
+                   + {"amd": "AMD x86 host CPUs", "intel": "Intel x86 host CPUs",
+                      "arm": "Arm host CPUs (Grace), which NCCL treats as Intel x86 ones"}[cpu_vendor]
+                   + f": getNetOverhead {over:g} us, x3 for Simple, raises each intra-node step of an inter-node "
                    f"ring; llMaxBws for multi-node jobs {ll_max[0]:g} GB/s on 2 nodes, {ll_max[1]:g} on more"
                    + ("" if ll128 else f"; GPU-to-NIC path {nic_path}: no LL128 across nodes (ncclTopoTuneModel "
                                        f"enables it only where the path is PXB or nearer)")),
