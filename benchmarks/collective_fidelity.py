@@ -34,7 +34,7 @@ pred/meas at 1-16 MiB (latency-bound) and at 256 MiB and more (bandwidth-bound) 
 --steady judges only the steady state, leaving out (and listing) every call slower than STALL x a larger
 message's call on its curve (the target is stated over all rows; this shows how much the stalls weigh).
 
-    python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--steady] [--fit-latency MACHINE]
+    python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--steady] [--fit-latency MACHINE [--share S]]
 """
 from __future__ import annotations
 
@@ -276,16 +276,17 @@ def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
     return round(float(np.median(scales)), 2), RING_EFFICIENCY
 
 
-def fit_latency(rows: list[dict]) -> float:
+def fit_latency(rows: list[dict], share: float = RING_EFFICIENCY) -> float:
     """network.protocols.latency_scale minimising the squared log error of the protocol model over rows,
-    the plateau from the NICs x 0.96 (how the bundled DGX profiles' 2.0 was fitted to the H20 sweep)."""
+    the plateau from the NICs x share (0.96: how the bundled DGX profiles' scale is fitted; a profile whose
+    inter_node.busbw_gbs is another share of its NICs is fitted at that share)."""
     from scipy.optimize import minimize_scalar
 
     meas = np.array([float(r["time_us"]) * 1e-6 for r in rows])
 
     def loss(x):
         s = round(float(np.exp(x)), 4)  # a cache key: the fit never needs more digits
-        return float(np.mean(np.log(np.array([predict(r, "protocols", s) for r in rows]) / meas) ** 2))
+        return float(np.mean(np.log(np.array([predict(r, "protocols", s, share) for r in rows]) / meas) ** 2))
 
     res = minimize_scalar(loss, bounds=(np.log(0.2), np.log(30.0)), method="bounded", options={"xatol": 1e-3})
     return round(float(np.exp(res.x)), 4)
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fit-latency", metavar="MACHINE|NETWORK",
                     help="fit network.protocols.latency_scale to one machine, or jointly to every NCCL machine on one "
                          "network (e.g. 'InfiniBand NDR')")
+    ap.add_argument("--share", type=float, default=RING_EFFICIENCY, metavar="S",
+                    help=f"with --fit-latency: the plateau as this share of the NICs' line rate (default {RING_EFFICIENCY})")
     ap.add_argument("--steady", action="store_true",
                     help=f"judge only the steady state: leave out every call slower than {STALL} x a larger "
                          "message's on its curve (listed)")
@@ -339,12 +342,12 @@ def main(argv=None) -> int:
             print(f"error: no judged rows for machine or network {args.fit_latency!r} (machines: {', '.join(machines)}; "
                   f"networks: {', '.join(sorted(set(NETWORK.values())))})", file=sys.stderr)
             return 2
-        s = fit_latency(mine)
-        print(f"{args.fit_latency}: latency_scale {s:.3f} (mean error {mean_err(mine, 'protocols', s):.0%} "
-              f"over its {len(mine)} judged rows)")
+        s = fit_latency(mine, args.share)
+        print(f"{args.fit_latency}: latency_scale {s:.3f} at a plateau of {args.share:g} x the NICs (mean error "
+              f"{mean_err(mine, 'protocols', s, args.share):.0%} over its {len(mine)} judged rows)")
         for m in sorted({r["machine"] for r in mine}):
             mr = [r for r in mine if r["machine"] == m]
-            print(f"    {m:18s} {len(mr):3d} rows, mean error {mean_err(mr, 'protocols', s):.0%}")
+            print(f"    {m:18s} {len(mr):3d} rows, mean error {mean_err(mr, 'protocols', s, args.share):.0%}")
         return 0
     lomo = {m: leave_one_out(rows, m) for m in machines}
     own = {m: fit_network([r for r in rows if r["machine"] == m]) for m in machines}

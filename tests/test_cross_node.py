@@ -212,6 +212,27 @@ def test_dgx_latency_scale_is_the_fit_to_every_published_ndr_sweep():
         assert load_profile(name).physics.protocols.latency_scale == fitted, name
 
 
+def test_alps_protocols_are_nccls_for_grace_hopper_fitted_to_slingshot():
+    """The alps profile serialises gpu_physics.nccl_protocols for Hopper on Grace (Arm) hosts with the P2C path
+    (no NVLSTree: its 4 GH200 have no NVSwitch), and its latency_scale is what `collective_fidelity.py
+    --fit-latency Slingshot-11 --share 0.8` gives over the NCCL sweeps on Slingshot-11 (Alps and Perlmutter) at
+    the plateau it carries, 80 GB/s = 0.8 x its 4 x 25 GB/s of NICs, to its two decimals."""
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    got = load_profile("alps")
+    want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(90, "arm", "P2C")}},
+                             _Reader("t")).protocols
+    pr = got.physics.protocols
+    assert pr.ring == want.ring and pr.tree == want.tree and pr.ll_max == want.ll_max and not pr.nvls_tree
+    assert got.inter_busbw == pytest.approx(0.8 * 4 * 25e9)
+    cf = _collective_fidelity()
+    rows = [r for r in cf.judged(cf.load_rows()) if cf.NETWORK[r["machine"]] == "Slingshot-11"
+            and cf.LIBRARY[r["machine"]] == "NCCL"]
+    assert {r["machine"] for r in rows} == {"alps-gh200", "perlmutter-a100"}
+    assert pr.latency_scale == round(cf.fit_latency(rows, 0.8), 2)
+
+
 def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
     p, q = prof(), prof(dict(PROTOCOLS, latency_scale=2.0))
     # 8 kB all-gather over 8 GPUs on 2 nodes: LL, 15 us + 7 kB / 20 GB/s; twice the latency with the scale
