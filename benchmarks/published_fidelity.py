@@ -302,7 +302,7 @@ def bloom():
             k = flop / (t * 1e12) / float(r["tflops_per_gpu_reported"])
             reason = None if 2 / 3 < k < 1.5 else (
                 f"time and the row's own TFLOP/s disagree {k:.1f}x at global batch {B}: batch not reliable")
-            if reason and B % round(k) == 0 and abs(k / round(k) - 1) < 0.005:
+            if reason and round(k) >= 2 and B % round(k) == 0 and abs(k / round(k) - 1) < 0.005:
                 # agreeing to 0.5% at an integer fraction of the batch: the batch Megatron-DeepSpeed counted (the
                 # single-node 18B rows: 'GBS=512' in the source's heading, 2048 in its table)
                 batch, reason = B // round(k), None
