@@ -8,6 +8,8 @@ import itertools
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from axoplan.errors import UserError
 from axoplan.planner.machine import load_profile
@@ -25,7 +27,9 @@ PERLMUTTER_CASES = [
     (2, 1, 76), (4, 1, 225), (8, 1, 80), (64, 1, 80),
     (2, 2, 76), (4, 2, 40), (16, 2, 40),
     (2, 4, 20), (4, 4, 20), (2, 8, 20), (8, 16, 20), (2, 1024, 20),
-    (3, 1, 80),  # 3 GPUs do not tile a 4-GPU node: the groups straddle nodes
+    # 3 GPUs do not tile a 4-GPU node: the groups straddle nodes, and node 4-7 carries the rings of two of them,
+    # {3, 4, 5} and {6, 7, 8} (machine.rings_per_node): 80 / 2
+    (3, 1, 40),
 ]
 
 
@@ -38,6 +42,37 @@ def test_group_busbw_reproduces_axonn_perlmutter_table(write_profile):
     lat = p.group_latency(size, stride)
     inside = [(s * st <= 4) and 4 % (s * st) == 0 for s, st, _ in PERLMUTTER_CASES]
     assert lat.tolist() == pytest.approx([9 * US if i else 20 * US for i in inside])
+
+
+def _rings_by_rank(size: int, stride: int, n: int) -> int:
+    """The most groups whose members sit on both sides of some node's edge, counted rank by rank."""
+    span, best = size * stride, 0
+    for j in range(4 * span + 4):
+        lo, hi = j * n, (j + 1) * n
+        cut = set()
+        for r in range(lo, hi):
+            block, i = divmod(r, span)
+            members = [block * span + i % stride + k * stride for k in range(size)]
+            if any(m < lo or m >= hi for m in members):
+                cut.add((block, i % stride))
+        best = max(best, len(cut))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 13), st.integers(1, 16), st.sampled_from([2, 3, 4, 6, 8, 9]))
+def test_rings_per_node_counts_the_groups_a_node_cuts(size, stride, n):
+    """Groups of an axis (blocks of size x stride consecutive ranks, stride groups interleaved in each) that
+    cross nodes: rings_per_node is the most groups any node has members of on both sides of one of its edges,
+    as counted rank by rank; where the blocks line up with the nodes, AxoNN's min(stride, GPUs per node)."""
+    from axoplan.planner.machine import rings_per_node
+
+    if size * stride <= n and n % (size * stride) == 0:
+        return  # inside a node: no ring leaves it
+    got = int(rings_per_node(size, stride, n))
+    assert got == _rings_by_rank(size, stride, n)
+    if (size * stride) % n == 0 or stride >= n:
+        assert got == min(stride, n)
 
 
 def test_group_busbw_size_one_is_free(pm):

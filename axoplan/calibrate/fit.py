@@ -112,11 +112,12 @@ def fit_protocols(protocols, rows: Sequence[dict], ranks_per_node: int, busbw0: 
     """The two numbers of the protocol model a cluster sets (comm.protocol_time with NCCL's default rows):
     the plateau and a latency scale, fitted to the measured size x node-count curves of every group shape
     that crosses nodes (rows: collective, size, stride, bytes, seconds), each group's plateau shared by the
-    min(stride, ranks per node) groups that leave a node at once, as the planner shares it. Least squares
+    groups whose rings leave a node at once (machine.rings_per_node), as the planner shares it. Least squares
     in log time (every size counts alike), from busbw0 and NCCL's own latencies."""
     from scipy.optimize import minimize
 
     from axoplan.planner.comm import protocol_time
+    from axoplan.planner.machine import rings_per_node
 
     if len(rows) < 2:
         raise ValueError("a fit needs at least two measurements")
@@ -127,7 +128,7 @@ def fit_protocols(protocols, rows: Sequence[dict], ranks_per_node: int, busbw0: 
     t = np.array([r["seconds"] for r in rows], float)
     per_node = np.clip(np.floor(ranks_per_node / s), 1.0, p)
     nodes = np.ceil(p / per_node)
-    share = np.minimum(s, ranks_per_node)
+    share = rings_per_node(p.astype(np.int64), s.astype(np.int64), ranks_per_node)  # as the planner shares it
 
     def pred(x):
         bw, lat = math.exp(x[0]), math.exp(x[1])

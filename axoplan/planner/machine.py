@@ -6,6 +6,8 @@ The YAML speaks GB/s, TFLOP/s, GiB and microseconds for people.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -318,8 +320,9 @@ class MachineProfile:
         """Bus bandwidth (bytes/s) for groups of `size` members `stride` ranks apart, vectorised.
 
         Inside a node (stride*size divides gpus_per_node): the intra-node table. Across nodes:
-        the rings of all `min(stride, gpus_per_node)` groups that leave a node at once share its
-        inter-node bandwidth (AxoNN's model, reference §3).
+        the rings of all the groups that leave the busiest node at once share its inter-node bandwidth
+        (AxoNN's model, reference §3: `min(stride, gpus_per_node)` of them; more where the groups' spans
+        do not line up with the nodes: rings_per_node).
         """
         size = np.asarray(size, dtype=np.int64)
         stride = np.asarray(stride, dtype=np.int64)
@@ -328,7 +331,7 @@ class MachineProfile:
         out = np.empty(np.broadcast(size, stride).shape, dtype=np.float64)
         size_b, stride_b = np.broadcast_arrays(size, stride)
         scale = self.corrections.inter_bw_scale
-        inter = np.minimum(self.inter_busbw * scale / np.minimum(stride_b, n), self.inter_ring_busbw * scale)
+        inter = np.minimum(self.inter_busbw * scale / rings_per_node(size_b, stride_b, n), self.inter_ring_busbw * scale)
         out[...] = inter
         if np.any(inside):
             # one table lookup per distinct (size, stride) inside a node, not per candidate or per node size
@@ -532,6 +535,42 @@ LAUNCH_ENV_PREFIXES = ("NCCL_", "RCCL_", "TORCH_NCCL_", "GLOO_", "FI_", "UCX_", 
 LAUNCH_ENV_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
                     "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _LAUNCH_ENV_CODE = ("PLUGIN", "PATH", "LIB", "PRELOAD")
+
+
+def rings_per_node(size, stride, gpus_per_node: int) -> np.ndarray:
+    """How many groups of `size` members `stride` ranks apart (a grid axis: blocks of size x stride consecutive
+    ranks, each holding `stride` interleaved groups) have rings leaving the busiest node at once, for groups
+    that cross nodes: min(stride, gpus_per_node) where the blocks line up with the nodes (AxoNN's model); where
+    they do not (a block of 6 ranks on 4-GPU nodes) a node's two edges may each cut a block, and every group
+    with members on both sides of an edge leaves the node (_cut_groups)."""
+    size, stride = np.broadcast_arrays(np.asarray(size, dtype=np.int64), np.asarray(stride, dtype=np.int64))
+    n = int(gpus_per_node)
+    out = np.array(np.minimum(stride, n), dtype=np.float64)
+    span = size * stride
+    off = (stride < n) & (span % n != 0) & (span > 1)
+    if np.any(off):
+        keys, inv = np.unique(np.stack([size[off], stride[off]]), axis=1, return_inverse=True)
+        out[off] = np.array([_cut_groups(int(p), int(st), n) for p, st in keys.T])[inv.reshape(-1)]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut_groups(size: int, stride: int, n: int) -> float:
+    """The most groups any node cuts (rings_per_node): over every position of a node against the blocks of
+    span size x stride, the groups with members on both sides of its left or its right edge."""
+    span, last = size * stride, (size - 1) * stride
+    left = np.arange(span // math.gcd(span, n), dtype=np.int64) * n % span  # each node's left edge in its block
+
+    def cut(d):  # the groups i (i < stride) with a member i + k stride before offset d and one at or after it
+        lo, hi = np.clip(d - last, 0, None), np.minimum(d, stride)
+        return lo, hi, np.clip(hi - lo, 0, None)
+
+    lo_l, hi_l, n_l = cut(left)
+    right = left + n
+    lo_r, hi_r, n_r = cut(right % span)
+    # both edges in one block: a group cut at both counts once
+    both = np.where(right < span, np.clip(np.minimum(hi_l, hi_r) - np.maximum(lo_l, lo_r), 0, None), 0)
+    return float(min(int(np.max(n_l + n_r - both)), n))
 
 
 def launch_env_refusal(name: str) -> str | None:
