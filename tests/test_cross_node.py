@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from axoplan.errors import UserError
 from axoplan.planner import comm as C
@@ -35,6 +37,25 @@ def across(p, kind, nbytes, size, stride=1):
     size, stride = np.array([size]), np.array([stride])
     m, n = C.group_nodes(p, size, stride)
     return float(C.protocol_seconds(p, kind, nbytes, size, m, n, p.group_busbw(size, stride))[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 13), st.integers(1, 19), st.sampled_from([2, 3, 4, 6, 8, 9]))
+def test_group_nodes_counts_the_nodes_a_group_spans(size, stride, n):
+    """Across nodes, group_nodes gives the most nodes any group of the axis spans (blocks of size x stride
+    consecutive ranks, stride groups interleaved in each), as counted rank by rank, and NCCL's members per node,
+    size // nodes; where the stride divides a node and the blocks line up, n / stride members on each."""
+    if size * stride <= n and n % (size * stride) == 0:
+        return  # inside a node
+    p = prof().replace(gpus_per_node=n)
+    per_node, nodes = (float(x[0]) for x in C.group_nodes(p, np.array([size]), np.array([stride])))
+    span, most = size * stride, 0
+    for block in range(4 * n + 4):
+        for i in range(stride):
+            most = max(most, len({(block * span + i + k * stride) // n for k in range(size)}))
+    assert nodes == most and per_node == max(size // most, 1)
+    if stride < n and n % stride == 0 and span % n == 0:
+        assert per_node == n // stride
 
 
 def test_small_messages_take_ll_large_ones_simple():

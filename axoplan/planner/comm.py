@@ -8,6 +8,8 @@ exact norms over X-sharded channels, and the data-parallel gradient all-reduce (
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,10 +60,33 @@ def ring_volume(kind: str, p, nbytes):
 
 
 def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndarray]:
-    """(members per node, nodes spanned) of groups of p members `stride` GPUs apart."""
+    """(members per node, nodes spanned) of groups of p members `stride` GPUs apart; where the axis's blocks
+    (p x stride consecutive ranks) do not line up with the nodes, or the stride does not divide a node, the
+    most nodes a group of it spans, and members per node as NCCL counts them, p // nodes (_misaligned_nodes)."""
+    n = profile.gpus_per_node
     p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
-    per_node = np.clip(np.floor(profile.gpus_per_node / np.maximum(np.asarray(stride, dtype=np.float64), 1.0)), 1.0, p)
-    return per_node, np.ceil(p / per_node)
+    s = np.maximum(np.asarray(stride, dtype=np.float64), 1.0)
+    per_node = np.clip(np.floor(n / s), 1.0, p)
+    nodes = np.ceil(p / per_node)
+    span = p * s
+    off = (s < n) & ((np.mod(span, n) != 0) | (np.mod(n, s) != 0)) & ~((span <= n) & (np.mod(n, span) == 0))
+    if np.any(off):
+        p_b, s_b = np.broadcast_arrays(p, s)
+        nodes, per_node = np.array(nodes * np.ones_like(p_b)), np.array(per_node * np.ones_like(p_b))
+        keys, inv = np.unique(np.stack([p_b[off], s_b[off]]).astype(np.int64), axis=1, return_inverse=True)
+        most = np.array([_misaligned_nodes(int(a), int(b), n) for a, b in keys.T], dtype=np.float64)[inv.reshape(-1)]
+        nodes[off] = most
+        per_node[off] = np.maximum(np.floor(p_b[off] / most), 1.0)
+    return per_node, nodes
+
+
+@functools.lru_cache(maxsize=4096)
+def _misaligned_nodes(p: int, stride: int, n: int) -> int:
+    """The most nodes of n GPUs a group spans, its members base + k stride (k < p) for every base the axis's
+    blocks of p x stride ranks give (their offsets in a node: multiples of gcd(span, n) plus 0 .. stride - 1)."""
+    g = math.gcd(p * stride, n)
+    first = {(k * g + i) % n for k in range(n // g) for i in range(stride)}
+    return max((x + (p - 1) * stride) // n + 1 for x in first)
 
 
 def nccl_latency(profile: MachineProfile, kind: str, p, stride) -> np.ndarray:
