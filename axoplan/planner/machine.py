@@ -547,7 +547,8 @@ def rings_per_node(size, stride, gpus_per_node: int) -> np.ndarray:
     n = int(gpus_per_node)
     out = np.array(np.minimum(stride, n), dtype=np.float64)
     span = size * stride
-    off = (stride < n) & (span % n != 0) & (span > 1)
+    # a group of one has no ring; one inside a node none that leaves it (the value there is AxoNN's, unused)
+    off = (stride < n) & (span % n != 0) & (size > 1) & ~((span <= n) & (n % np.maximum(span, 1) == 0))
     if np.any(off):
         keys, inv = np.unique(np.stack([size[off], stride[off]]), axis=1, return_inverse=True)
         out[off] = np.array([_cut_groups(int(p), int(st), n) for p, st in keys.T])[inv.reshape(-1)]
