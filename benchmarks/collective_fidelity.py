@@ -34,7 +34,10 @@ pred/meas at 1-16 MiB (latency-bound) and at 256 MiB and more (bandwidth-bound) 
 --steady judges only the steady state, leaving out (and listing) every call slower than STALL x a larger
 message's call on its curve (the target is stated over all rows; this shows how much the stalls weigh).
 
+--scale prints each sweep's time per ring step at one share per rank over its node counts (congestion at scale).
+
     python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--steady] [--fit-latency MACHINE [--share S]]
+    python benchmarks/collective_fidelity.py --scale
 """
 from __future__ import annotations
 
@@ -308,6 +311,36 @@ def _ratios(rows, model, scale, share, lo, hi):
     return float(np.median([predict(r, model, scale, share) / (float(r["time_us"]) * 1e-6) for r in sel]))
 
 
+def step_times(rows: list[dict]) -> dict:
+    """(machine, collective) -> {share per rank (bytes): {nodes: measured time per ring step (s)}} for every
+    sweep over at least 4 node counts, no stall (a call slower than a larger message's) counted. A ring moves one
+    share per rank per step, so where a network congests with more nodes the step at one share slows."""
+    out = {}
+    skip = stalls(rows)
+    for r in rows:
+        if (r["curve"], float(r["bytes"])) in skip or int(r["nodes"]) < 2:
+            continue
+        p = int(r["nodes"]) * int(r["gpus_per_node"])
+        steps = C.ring_steps(r["collective"], p)
+        share = int(float(r["bytes"])) // p
+        out.setdefault((r["machine"], r["collective"]), {}).setdefault(share, {})[int(r["nodes"])] = (
+            float(r["time_us"]) * 1e-6 / steps)
+    return {k: v for k, v in out.items() if len({n for s in v.values() for n in s}) >= 4}
+
+
+def print_scale(rows: list[dict]) -> None:
+    print("congestion at scale: measured time per ring step at one share per rank (each rank's part of the buffer), "
+          "by node count; its spread is what more nodes cost beyond the model's steps (stalls left out)")
+    for (machine, kind), by_share in sorted(step_times(rows).items()):
+        print(f"{machine} {kind} ({NETWORK[machine]}, {LIBRARY[machine]})")
+        for share, by_nodes in sorted(by_share.items()):
+            if len(by_nodes) < 3 or share < 2**18:
+                continue
+            ts = [by_nodes[n] for n in sorted(by_nodes)]
+            cells = "  ".join(f"{n}n {t * 1e6:6.1f}" for n, t in sorted(by_nodes.items()))
+            print(f"    {share / 2**20:7.2f} MiB per rank: us per step  {cells}   max/min {max(ts) / min(ts):.2f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", action="store_true", help="print every judged row")
@@ -320,7 +353,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steady", action="store_true",
                     help=f"judge only the steady state: leave out every call slower than {STALL} x a larger "
                          "message's on its curve (listed)")
+    ap.add_argument("--scale", action="store_true",
+                    help="congestion at scale: each sweep's time per ring step at one share per rank over its node "
+                         "counts, the 128- and 256-node logs included")
     args = ap.parse_args(argv)
+    if args.scale:
+        print_scale(load_rows())
+        return 0
     rows = judged(load_rows())
     if args.steady:
         out = stalls(rows)

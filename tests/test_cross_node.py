@@ -326,6 +326,25 @@ def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():
         round(near, 2), cf.RING_EFFICIENCY)
 
 
+def test_step_times_divide_each_call_by_its_ring_steps_at_one_share_per_rank():
+    """collective_fidelity --scale: an all-gather of 4 GPUs per node, 1 MiB per rank, on 2, 4, 8 and 16 nodes
+    takes (p - 1) steps; calls made at 30 us a step give 30 us at every node count; a sweep over 3 node counts
+    is not listed, and a stall (a call slower than a larger message's) is not counted."""
+    cf = _collective_fidelity()
+    rows = []
+    for nodes in (2, 4, 8, 16):
+        p = 4 * nodes
+        for share, us in ((2**20, 30.0), (2**21, 40.0)):
+            rows.append({"machine": "perlmutter-a100", "collective": "all_gather", "nodes": nodes, "gpus_per_node": 4,
+                         "bytes": share * p, "time_us": us * (p - 1), "curve": f"{nodes}n"})
+    got = cf.step_times(rows)[("perlmutter-a100", "all_gather")]
+    assert got[2**20] == pytest.approx({n: 30e-6 for n in (2, 4, 8, 16)})
+    assert got[2**21] == pytest.approx({n: 40e-6 for n in (2, 4, 8, 16)})
+    slow = [dict(r, time_us=r["time_us"] * 3) if r["nodes"] == 8 and r["bytes"] == 2**20 * 32 else r for r in rows]
+    assert 8 not in cf.step_times(slow)[("perlmutter-a100", "all_gather")][2**20]
+    assert cf.step_times([r for r in rows if r["nodes"] != 16]) == {}
+
+
 def test_no_ll128_across_nodes_beyond_pxb():
     """NCCL enables LL128 across nodes only where the GPU reaches its NIC by PXB or nearer (Hopper also by PXN):
     the default rows for a host-bridge path (Perlmutter) have LL and Simple only, rings and trees alike."""
