@@ -16,7 +16,7 @@ import numpy as np
 
 from axoplan.planner import gpu_physics
 from axoplan.planner.execution import AXOPLAN, Execution
-from axoplan.planner.machine import MachineProfile
+from axoplan.planner.machine import MachineProfile, per_distinct_pair
 from axoplan.planner.space import Candidates, strides
 from axoplan.planner.specs import LinearShape, ModelSpec
 
@@ -73,8 +73,7 @@ def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndar
     if np.any(off):
         p_b, s_b = np.broadcast_arrays(p, s)
         nodes, per_node = np.array(nodes * np.ones_like(p_b)), np.array(per_node * np.ones_like(p_b))
-        keys, inv = np.unique(np.stack([p_b[off], s_b[off]]).astype(np.int64), axis=1, return_inverse=True)
-        most = np.array([_misaligned_nodes(int(a), int(b), n) for a, b in keys.T], dtype=np.float64)[inv.reshape(-1)]
+        most = per_distinct_pair(_misaligned_nodes, p_b[off].astype(np.int64), s_b[off].astype(np.int64), n)
         nodes[off] = most
         per_node[off] = np.maximum(np.floor(p_b[off] / most), 1.0)
     return per_node, nodes

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from axoplan.planner import gpu_physics
+from axoplan.planner.rows import distinct_rows
 
 from axoplan import inputs
 from axoplan.errors import UserError
@@ -550,9 +551,14 @@ def rings_per_node(size, stride, gpus_per_node: int) -> np.ndarray:
     # a group of one has no ring; one inside a node none that leaves it (the value there is AxoNN's, unused)
     off = (stride < n) & (span % n != 0) & (size > 1) & ~((span <= n) & (n % np.maximum(span, 1) == 0))
     if np.any(off):
-        keys, inv = np.unique(np.stack([size[off], stride[off]]), axis=1, return_inverse=True)
-        out[off] = np.array([_cut_groups(int(p), int(st), n) for p, st in keys.T])[inv.reshape(-1)]
+        out[off] = per_distinct_pair(_cut_groups, size[off], stride[off], n)
     return out
+
+
+def per_distinct_pair(fn, size, stride, n: int) -> np.ndarray:
+    """fn(size, stride, n) for each candidate's pair, called once per distinct pair (rows.distinct_rows)."""
+    first, inverse = distinct_rows(size, stride)
+    return np.array([fn(int(size[i]), int(stride[i]), n) for i in first], dtype=np.float64)[inverse]
 
 
 @functools.lru_cache(maxsize=4096)
