@@ -306,7 +306,7 @@ def bloom():
                 # agreeing to 0.5% at an integer fraction of the batch: the batch Megatron-DeepSpeed counted (the
                 # single-node 18B rows: 'GBS=512' in the source's heading, 2048 in its table)
                 batch, reason = B // round(k), None
-                label += f" (batch {B // round(k)} by its TFLOP/s)"
+                label += f" (batch {batch} by its TFLOP/s)"
         if reason:
             out.append((src, label, reason))
             continue

@@ -16,7 +16,7 @@ import numpy as np
 
 from axoplan.planner import gpu_physics
 from axoplan.planner.execution import AXOPLAN, Execution
-from axoplan.planner.machine import MachineProfile, per_distinct_pair
+from axoplan.planner.machine import MachineProfile, groups_inside, per_distinct_pair
 from axoplan.planner.space import Candidates, strides
 from axoplan.planner.specs import LinearShape, ModelSpec
 
@@ -69,11 +69,11 @@ def group_nodes(profile: MachineProfile, p, stride) -> tuple[np.ndarray, np.ndar
     per_node = np.clip(np.floor(n / s), 1.0, p)
     nodes = np.ceil(p / per_node)
     span = p * s
-    off = (s < n) & ((np.mod(span, n) != 0) | (np.mod(n, s) != 0)) & ~((span <= n) & (np.mod(n, span) == 0))
+    off = (s < n) & ((np.mod(span, n) != 0) | (np.mod(n, s) != 0)) & ~groups_inside(p, s, n)
     if np.any(off):
-        p_b, s_b = np.broadcast_arrays(p, s)
-        nodes, per_node = np.array(nodes * np.ones_like(p_b)), np.array(per_node * np.ones_like(p_b))
-        most = per_distinct_pair(_misaligned_nodes, p_b[off].astype(np.int64), s_b[off].astype(np.int64), n)
+        p_b, s_b = (x.astype(np.int64) for x in np.broadcast_arrays(p, s))
+        nodes, per_node = (np.broadcast_to(x, p_b.shape).copy() for x in (nodes, per_node))
+        most = per_distinct_pair(_misaligned_nodes, p_b[off], s_b[off], n)
         nodes[off] = most
         per_node[off] = np.maximum(np.floor(p_b[off] / most), 1.0)
     return per_node, nodes

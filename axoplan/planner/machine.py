@@ -346,9 +346,7 @@ class MachineProfile:
 
     def group_inside(self, size, stride) -> np.ndarray:
         """Whether every group of `size` members `stride` ranks apart sits inside one node."""
-        span = np.asarray(size, dtype=np.int64) * np.asarray(stride, dtype=np.int64)
-        n = self.gpus_per_node
-        return (span <= n) & (n % np.maximum(span, 1) == 0)
+        return groups_inside(size, stride, self.gpus_per_node)
 
     def group_latency(self, size, stride) -> np.ndarray:
         """Latency per ring step (s) of a placed group."""
@@ -538,6 +536,12 @@ LAUNCH_ENV_NAMES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_DEVICE_MAX_CONNE
 _LAUNCH_ENV_CODE = ("PLUGIN", "PATH", "LIB", "PRELOAD")
 
 
+def groups_inside(size, stride, gpus_per_node: int) -> np.ndarray:
+    """Whether every group of `size` members `stride` ranks apart sits inside one node of gpus_per_node."""
+    span = np.asarray(size, dtype=np.int64) * np.asarray(stride, dtype=np.int64)
+    return (span <= gpus_per_node) & (gpus_per_node % np.maximum(span, 1) == 0)
+
+
 def rings_per_node(size, stride, gpus_per_node: int) -> np.ndarray:
     """How many groups of `size` members `stride` ranks apart (a grid axis: blocks of size x stride consecutive
     ranks, each holding `stride` interleaved groups) have rings leaving the busiest node at once, for groups
@@ -549,7 +553,7 @@ def rings_per_node(size, stride, gpus_per_node: int) -> np.ndarray:
     out = np.array(np.minimum(stride, n), dtype=np.float64)
     span = size * stride
     # a group of one has no ring; one inside a node none that leaves it (the value there is AxoNN's, unused)
-    off = (stride < n) & (span % n != 0) & (size > 1) & ~((span <= n) & (n % np.maximum(span, 1) == 0))
+    off = (stride < n) & (span % n != 0) & (size > 1) & ~groups_inside(size, stride, n)
     if np.any(off):
         out[off] = per_distinct_pair(_cut_groups, size[off], stride[off], n)
     return out
