@@ -316,9 +316,9 @@ def test_every_execution_plans_every_grid(name, gpus, batch, machine):
 
 
 def _round_profile():
-    """dgx-a100 with round numbers: GEMMs at 1 TFLOP/s whatever their shape, memory at 1 TB/s, element-wise
-    kernels at half of it, launches free."""
-    return load_profile("dgx-a100").replace(gemm_ceiling=1e12, gemm_dim_half=1e-6, mem_bandwidth=1e12,
+    """dgx-a100 with round numbers: GEMMs at 1 TFLOP/s whatever their shape (no wave quantization), memory at
+    1 TB/s, element-wise kernels at half of it, launches free."""
+    return load_profile("dgx-a100").replace(gemm_ceiling=1e12, gemm_dim_half=1e-6, gemm_waves=None, mem_bandwidth=1e12,
                                             elementwise_efficiency=0.5, kernel_overhead=0.0)
 
 

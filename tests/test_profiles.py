@@ -165,11 +165,48 @@ def test_gemm_dim_half_by_the_memory_traffic_rule():
     half = p.gemm_half
     t, _ = p.gemm_seconds(4096, 2048, 96, "NN")
     eff = 4096 / (4096 + half) * 2048 / (2048 + half) * 96 / (96 + half)
-    assert float(t) == pytest.approx(2 * 4096 * 2048 * 96 / (280e12 * eff) + p.launch_cost)
+    # and its waves: 128x128 tiles, 32 x 16 = 512 of them in 5 waves of 108 (256x128: 256 in 3 waves, worse)
+    assert float(t) == pytest.approx(2 * 4096 * 2048 * 96 / (280e12 * eff * 512 / 540) + p.launch_cost)
     assert p.replace(mem_bandwidth=2 * 1555e9).gemm_half == pytest.approx(half / 2)
     assert p.replace(gemm_dim_half=340.0).gemm_half == 340.0
     # the H100: the rule lands on the least-squares fit to XLA's table (340)
     assert load_profile("dgx-h100").gemm_half == pytest.approx(340, rel=0.01)
+
+
+def test_wave_quantization_by_hand():
+    """NVIDIA's tile and wave quantization on an A100 (108 SMs): C[2048, 1792] (BLOOM's tp8 projection at one
+    sequence) is 8 x 14 = 112 tiles of 256x128 (2 waves, 112/216 busy) or 16 x 14 = 224 of 128x128 (3 waves,
+    224/324): the better is 0.691; 108 full tiles are one full wave; a batched call's products share the waves."""
+    from axoplan.planner.machine import wave_efficiency
+    tiles = ((256, 128), (128, 256), (128, 128))
+    assert float(wave_efficiency(2048, 1792, 1, 108, tiles)) == pytest.approx(224 / 324)
+    assert float(wave_efficiency(256 * 108, 128, 1, 108, tiles)) == 1.0
+    # a partial tile is a whole one: 109 x 256 rows of 128 fill one wave, and 200 more rows a whole 256x128 tile
+    # of the second wave, doing 200/256 of its work
+    assert float(wave_efficiency(108 * 256 + 200, 128, 1, 108, ((256, 128),))) == pytest.approx(
+        (108 * 256 + 200) / (2 * 108 * 256))
+    # within one wave the thin-dimension curve covers the loss: nothing quantized
+    assert float(wave_efficiency(200, 128, 1, 108, ((256, 128),))) == 1.0
+    # 16 products of [2048, 2048] in 128x128 tiles: 16 x 256 = 4096 tiles in 38 waves (4104 slots)
+    assert float(wave_efficiency(2048, 2048, 16, 108, ((128, 128),))) == pytest.approx(4096 / 4104)
+    assert float(wave_efficiency(2048, 2048, 0, 108, tiles)) == 1.0  # no product, nothing quantized
+    p = load_profile("dgx-a100")
+    flat = p.replace(gemm_waves=None)
+    t, t0 = p.gemm_seconds(2048, 1792, 14336)[0], flat.gemm_seconds(2048, 1792, 14336)[0]
+    assert float(t - p.launch_cost) == pytest.approx(float(t0 - p.launch_cost) * 324 / 224)
+    assert load_profile("dgx-h100").gemm_waves is None  # not modelled on Hopper (docs/profiles.md says why)
+
+
+@pytest.mark.parametrize("waves, msg", [
+    ({"sms": 0, "tiles": [[128, 128]], "source": "x"}, r"field 'compute.gemm.waves.sms' must be the device's count of streaming multiprocessors, got 0$"),
+    ({"sms": 108, "tiles": [[128]], "source": "x"}, r"field 'compute.gemm.waves.tiles' must be a list of \[rows, cols\] output tiles \(integers 1-4096\), got \[\[128\]\]$"),
+    ("yes", r"field 'compute.gemm.waves' must be a mapping \{sms: N, tiles: \[\[rows, cols\], ...\], source: ...\}$"),
+])
+def test_a_bad_waves_field_is_one_sentence(waves, msg):
+    d = copy.deepcopy(_raw("dgx-a100"))
+    d["compute"]["gemm"]["waves"] = waves
+    with pytest.raises(UserError, match=msg):
+        profile_from_dict(d, "test profile")
 
 
 def test_a_bad_dim_half_rule_is_one_sentence():

@@ -78,8 +78,8 @@ class UnfusedAttention:
 
 def _batched_gemm(profile: MachineProfile, batch, m, n, k) -> np.ndarray:
     """One strided-batched GEMM call of `batch` products C[m,n] = A[m,k] B[k,n]: each product's time
-    (the best layout) once per product, one launch for the call."""
-    t, _ = profile.gemm_seconds(m, n, k, None)
+    (the best layout) once per product, one launch for the call; the products' tiles share the waves."""
+    t, _ = profile.gemm_seconds(m, n, k, None, batch=batch)
     return batch * (t - profile.launch_cost) + profile.launch_cost
 
 

@@ -41,7 +41,8 @@ NUM, TEXT, FLAG, FREE = "number", "text", "flag", "free"
 TABLE_KEYS = {"path": TEXT, "source": TEXT}  # {path: FILE.csv, source: ...} beside a section
 MEMORY_KEYS = {"source": TEXT, "capacity_gib": NUM, "headroom_gib": NUM, "bandwidth_gbs": NUM,
                "elementwise_efficiency": NUM}
-GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "table": TABLE_KEYS}
+GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "table": TABLE_KEYS,
+             "waves": {"sms": FREE, "tiles": FREE, "source": TEXT}}
 ATTENTION_KEYS = {"source": TEXT, "tflops": NUM, "causal_skip": FLAG, "backward_factor": NUM, "table": TABLE_KEYS,
                   "throughput": [{"seq": NUM, "head_dim": NUM, "fwd_tflops": NUM, "bwd_tflops": NUM, "source": TEXT}]}
 COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "shared_cores": NUM, "gemm": GEMM_KEYS,
@@ -200,6 +201,40 @@ def _dim_half(gemm: dict, rd) -> float | None:
     return rd.num(gemm, "dim_half", "compute.gemm", default=0.0, allow_zero=True)
 
 
+def _waves(gemm: dict, rd) -> tuple | None:
+    """compute.gemm.waves: {sms: N, tiles: [[rows, cols], ...], source: ...} -> (N, ((rows, cols), ...)), or None."""
+    w = gemm.get("waves")
+    if w is None:
+        return None
+    where = "compute.gemm.waves"
+    if not isinstance(w, dict) or "source" not in w:
+        rd.fail(where, "must be a mapping {sms: N, tiles: [[rows, cols], ...], source: ...}")
+    sms = w.get("sms")
+    if isinstance(sms, bool) or not isinstance(sms, int) or not 1 <= sms <= 100_000:
+        rd.fail(f"{where}.sms", f"must be the device's count of streaming multiprocessors, got {inputs.show(sms)}")
+    tiles = w.get("tiles")
+    ok = isinstance(tiles, list) and tiles and all(
+        isinstance(t, list) and len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 4096
+                                                    for x in t) for t in tiles)
+    if not ok:
+        rd.fail(f"{where}.tiles", f"must be a list of [rows, cols] output tiles (integers 1-4096), got {inputs.show(tiles)}")
+    return sms, tuple((int(a), int(b)) for a, b in tiles)
+
+
+def wave_efficiency(m, n, batch, sms: int, tiles: tuple) -> np.ndarray:
+    """The share of its waves' tile slots that a GEMM's output C[m, n] (batch products of it) keeps busy, at its
+    best output tile: the tiles (a partial one whole) run in waves of `sms` at once, a part-full last wave taking
+    a full wave's time (NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, sections 3.1-3.2).
+    A GEMM within one wave of a tile is not quantized by it: below a wave cuBLAS picks smaller tiles or splits
+    k to fill the device, the loss the thin-dimension curve d/(d + dim_half) already describes."""
+    best = np.zeros(np.broadcast(m, n, batch).shape)
+    for tm, tn in tiles:
+        count = np.ceil(m / tm) * np.ceil(n / tn) * batch
+        busy = m * n * batch / (np.maximum(np.ceil(count / sms), 1.0) * sms * tm * tn)
+        best = np.maximum(best, np.where(count <= sms, 1.0, busy))
+    return best
+
+
 def _kind(d, rd) -> str:
     if "kind" not in d:
         rd.fail("kind", "is missing: say which device the profile describes, `kind: gpu` or `kind: cpu`")
@@ -261,6 +296,8 @@ class MachineProfile:
     # bytes/s one ring (one communicator's channels) can carry across a node boundary, however few rings share
     # the node's NICs (network.inter_node.ring_busbw_gbs; inf: only the node's share, busbw / rings, bounds it)
     inter_ring_busbw: float = float("inf")
+    # compute.gemm.waves: (SMs, output tiles) quantizing the analytic GEMM curve (wave_efficiency); None: not modelled
+    gemm_waves: tuple | None = None
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -354,20 +391,27 @@ class MachineProfile:
         return np.where(inside, self.intra_latency, self.inter_latency) * self.corrections.latency_scale
 
     # ---- GEMM time -------------------------------------------------------------------
-    def gemm_seconds(self, m, n, k, layout: str | None = None):
+    def gemm_seconds(self, m, n, k, layout: str | None = None, batch=1):
         """Seconds of one C[m,n] = A[m,k] @ B[k,n] call, launch included, and whether each shape was
-        extrapolated. A measured table already holds whole calls; the curve adds kernel_overhead.
+        extrapolated. A measured table already holds whole calls; the curve adds kernel_overhead, and where the
+        profile has gemm.waves its tile and wave quantization (batch: products of one strided-batched call, whose
+        tiles share the waves; the time stays one product's).
 
         layout None: the best of every layout and of both forms (C = AB and C^T = B^T A^T), as the
         trainer's BLAS tuning picks; otherwise the given layout of the direct form.
         """
-        m, n, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(n, np.float64), np.asarray(k, np.float64))
+        if self.gemm_waves is not None and self.gemm_table is None:
+            m, n, k, batch = np.broadcast_arrays(*(np.asarray(x, np.float64) for x in (m, n, k, batch)))
+        else:
+            m, n, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(n, np.float64), np.asarray(k, np.float64))
         shape = m.shape
         flop = 2.0 * m * n * k
         scale = self.corrections.gemm_scale
         if self.gemm_table is None:
             d = self.gemm_half
             eff = (m / (m + d)) * (n / (n + d)) * (k / (k + d))
+            if self.gemm_waves is not None:
+                eff = eff * wave_efficiency(m, n, batch, *self.gemm_waves)
             t_compute = flop / (self.gemm_ceiling * eff * scale)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
             return np.maximum(t_compute, t_memory) + self.launch_cost, np.zeros(shape, dtype=bool)
@@ -1030,6 +1074,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         shared_cores=_shared_cores(comp, rd, _kind(d, rd)),
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
         gemm_dim_half=_dim_half(gemm, rd),
+        gemm_waves=_waves(gemm, rd),
         attn_flops=rd.num(attn, "tflops", "compute.attention") * TFLOP,
         attn_causal_skip=causal,
         attn_bwd_factor=rd.num(attn, "backward_factor", "compute.attention", default=2.5),
