@@ -184,3 +184,27 @@ def test_run_windows_by_hand():
     # the record holds every window once, blocks with their count, totals without the first prefetch
     assert [(r[0].name, r[2]) for r in rec] == [("A", 1), ("B1", 3), ("B2", 3), ("C", 1)]
     assert sum(float(np.asarray(r[1])[0]) for r in rec) == pytest.approx(18.6 - 0.5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(["dgx-a100", "perlmutter", "dgx-h100"]), st.integers(0, 2**31 - 1), st.booleans())
+def test_gemms_once_per_distinct_grid_equal_every_candidates_own(machine, seed, tuning):
+    """block_gemms evaluates each distinct (gx, gy, tokens) once and hands it back: every time, shape and flag
+    equals linear_gemms on the candidates themselves (300 candidates over a few grids, as orders repeat them)."""
+    from axoplan.planner.compute import block_gemms, linear_gemms
+    from axoplan.planner.machine import load_profile
+    rng = np.random.default_rng(seed)
+    prof, m = load_profile(machine), tiny_model()
+    gx, gy = rng.choice([1, 2, 4], 300), rng.choice([1, 2, 8], 300)
+    tokens = rng.choice([64.0, 128.0, 512.0], 300)
+    lins = [*m.block_linears(), m.lm_head()]
+    once = block_gemms(prof, lins, gx, gy, tokens, tuning)
+    for lin, got in zip(lins, once):
+        own = linear_gemms(prof, lin, gx, gy, tokens, tuning)
+        for a, b in ((got.fwd, own.fwd), (got.dgrad, own.dgrad), (got.wgrad, own.wgrad),
+                     (got.extrapolated, own.extrapolated)):
+            np.testing.assert_array_equal(a, b)
+        for w in own.shapes:
+            for a, b in zip(got.shapes[w], own.shapes[w]):
+                np.testing.assert_array_equal(np.broadcast_to(a, (300,)), np.broadcast_to(b, (300,)))
+        assert got.layouts == own.layouts

@@ -21,6 +21,25 @@ class GemmTimes:
     shapes: dict  # "fwd" | "dgrad" | "wgrad" -> (m, n, k) of C[m, n] = A[m, k] B[k, n], per candidate
     layouts: dict  # "fwd" | "dgrad" | "wgrad" -> NN, NT, TN as written, or "best" where BLAS tuning picks
 
+    def take(self, index) -> GemmTimes:
+        """The same GEMMs for candidates index (rows of the arrays they were evaluated on)."""
+        def pick(x):
+            return x[index] if np.ndim(x) else x
+
+        return GemmTimes(pick(self.fwd), pick(self.dgrad), pick(self.wgrad), pick(self.extrapolated),
+                         {w: tuple(pick(x) for x in mnk) for w, mnk in self.shapes.items()}, self.layouts)
+
+
+def block_gemms(profile: MachineProfile, lins: list, gx, gy, tokens, tuning: bool) -> list[GemmTimes]:
+    """linear_gemms of each of lins, evaluated once per distinct (gx, gy, tokens): orders and checkpointing
+    repeat each grid and micro-batch many times."""
+    cols = np.broadcast_arrays(*(np.asarray(a) for a in (gx, gy, tokens)))
+    if cols[0].ndim == 1 and cols[0].size > 256:
+        first, inverse = distinct_rows(*cols)
+        if len(first) < cols[0].size // 2:
+            return [linear_gemms(profile, lin, *(c[first] for c in cols), tuning).take(inverse) for lin in lins]
+    return [linear_gemms(profile, lin, gx, gy, tokens, tuning) for lin in lins]
+
 
 def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuning: bool) -> GemmTimes:
     """Local GEMMs of one layer: [T, k/g_in] x [k/g_in, n/g_out] and its two backward products."""

@@ -222,9 +222,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
 
     # ---- compute: GEMMs, attention, element-wise kernels as the trainer issues them ------------------
     lins = model.block_linears()
-    gemms = [work.linear_gemms(profile, lin, gx, gy, T, tuning) for lin in lins]
     lm = model.lm_head()
-    head_gemms = work.linear_gemms(profile, lm, gx, gy, T, tuning)
+    *gemms, head_gemms = work.block_gemms(profile, [*lins, lm], gx, gy, T, tuning)
     if ex.attention == "unfused":  # batched GEMMs and softmax kernels over the [S, S] scores
         ua = work.unfused_attention(profile, model, gy, mb, S, e, ex.dropout)
         attn_f = Op("attention", ua.fwd, bytes=ua.fwd_work.bytes, kernels=ua.fwd_work.kernels + 2)
