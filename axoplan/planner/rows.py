@@ -27,4 +27,4 @@ def on_rows(x, inverse, n: int):
     x is the candidates' own); anything without that axis (a scalar, a broadcast axis) as it is."""
     if inverse is None or not np.ndim(x) or np.shape(x)[-1] != n:
         return x
-    return np.asarray(x)[..., inverse]
+    return np.take(x, inverse, axis=-1)  # several times faster than x[..., inverse], the same values
