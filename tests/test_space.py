@@ -300,3 +300,13 @@ def test_placement_error_one_rule_for_config_and_cli():
     assert placement_error("xpyz", 1) == "order xpyz places the pipeline axis, which needs pp of 2 or more"
     assert placement_error("xpyz", 1, "--order", "--pp") == (
         "--order xpyz places the pipeline axis, which needs --pp of 2 or more")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 10**6), st.integers(0, 2**31 - 1))
+def test_divisibility_by_table_equals_the_modulo(n, seed):
+    """space._indivisible's table (taken for large candidate arrays) says what n % x != 0 says."""
+    from axoplan.planner.space import _indivisible
+    x = np.random.default_rng(seed).integers(1, 5000, 6000)
+    np.testing.assert_array_equal(_indivisible(n, x), n % x != 0)
+    assert _indivisible(n, 7) == (n % 7 != 0)  # a scalar: the modulo itself
