@@ -9,7 +9,7 @@ import numpy as np
 from axoplan.planner.execution import AXOPLAN, Execution
 from axoplan.planner.machine import MachineProfile
 from axoplan.planner.specs import LinearShape, ModelSpec
-from axoplan.planner.rows import distinct_rows
+from axoplan.planner.rows import repeated_rows
 
 
 @dataclass
@@ -33,11 +33,11 @@ class GemmTimes:
 def block_gemms(profile: MachineProfile, lins: list, gx, gy, tokens, tuning: bool) -> list[GemmTimes]:
     """linear_gemms of each of lins, evaluated once per distinct (gx, gy, tokens): orders and checkpointing
     repeat each grid and micro-batch many times."""
-    cols = np.broadcast_arrays(*(np.asarray(a) for a in (gx, gy, tokens)))
-    if cols[0].ndim == 1 and cols[0].size > 256:
-        first, inverse = distinct_rows(*cols)
-        if len(first) < cols[0].size // 2:
-            return [linear_gemms(profile, lin, *(c[first] for c in cols), tuning).take(inverse) for lin in lins]
+    rows = repeated_rows(gx, gy, tokens)
+    if rows is not None:
+        first, inverse = rows
+        cols = np.broadcast_arrays(*(np.asarray(a) for a in (gx, gy, tokens)))
+        return [linear_gemms(profile, lin, *(c[first] for c in cols), tuning).take(inverse) for lin in lins]
     return [linear_gemms(profile, lin, gx, gy, tokens, tuning) for lin in lins]
 
 
@@ -240,14 +240,13 @@ def elementwise_work(model: ModelSpec, gx, gy, gz, micro_batch, seq_len: int, dt
     (collectives in the same dtype); fp32 statistics, losses and master weights whatever it is. The
     execution's sequence parallelism splits the norms and residual adds over Y; its low-precision weight
     copy removes the casts where weights are used (one cast per step instead: step_work)."""
-    cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
-    if cols[0].ndim == 1 and cols[0].size > 256:
-        # orders and checkpointing repeat each (grid, micro-batch) many times: evaluate each once
-        first, inverse = distinct_rows(*cols)
-        if len(first) < cols[0].size // 2:
-            w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
-                                  execution)
-            return w.take(inverse)
+    rows = repeated_rows(gx, gy, gz, micro_batch, grad_acc)
+    if rows is not None:  # orders and checkpointing repeat each (grid, micro-batch): evaluate each once
+        first, inverse = rows
+        cols = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (gx, gy, gz, micro_batch, grad_acc)))
+        w = _elementwise_work(model, *(c[first] for c in cols[:4]), seq_len, dtype_bytes, cols[4][first], prefetch,
+                              execution)
+        return w.take(inverse)
     return _elementwise_work(model, gx, gy, gz, micro_batch, seq_len, dtype_bytes, grad_acc, prefetch, execution)
 
 

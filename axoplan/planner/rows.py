@@ -22,6 +22,17 @@ def distinct_rows(*cols) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse.reshape(-1)
 
 
+def repeated_rows(*cols, min_size: int = 256):
+    """distinct_rows of the columns where evaluating each distinct row once pays: one-dimensional columns of more
+    than min_size candidates, fewer than half of them distinct (the planner's orders and checkpointing repeat each
+    grid and micro-batch); None otherwise, the caller evaluating the columns as they are."""
+    cols = np.broadcast_arrays(*(np.asarray(a) for a in cols))
+    if cols[0].ndim != 1 or cols[0].size <= min_size:
+        return None
+    first, inverse = distinct_rows(*cols)
+    return (first, inverse) if len(first) < cols[0].size // 2 else None
+
+
 def on_rows(x, inverse, n: int):
     """x over n distinct rows (its last axis) as every candidate sees it (inverse: each candidate's row, None:
     x is the candidates' own); anything without that axis (a scalar, a broadcast axis) as it is."""
