@@ -66,7 +66,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
            "--results", str(res), "--models", "gpt-tiny", "--worker-arg=--gemm-max=32",  # grid 8, 32
            "--worker-arg=--coll-max=16384", "--worker-arg=--bw-elements=65536"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr[-2000:] + ((res / "worker.log").read_text()[-3000:] if (res / "worker.log").exists() else "")
     prof = yaml.safe_load(out.read_text())
     groups = prof["network"]["intra_node"]["groups"]
     assert [(g["size"], g["stride"]) for g in groups] == [(2, 1)] and groups[0]["busbw_gbs"] > 0
@@ -92,7 +92,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     p = subprocess.run([sys.executable, "-m", "axoplan.cli", "calibrate", "--quick", "--out", str(out), "--results",
                         str(res), "--models", "gpt-tiny", "--parts", "trainer"], capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr[-2000:] + (res / "worker.log").read_text()[-3000:]
     assert (res / "gemm.csv").read_text() == before["gemm"]
     assert (res / "collectives.csv").read_text() == before["collectives"]
     assert (res / "trainer.csv").read_text() != before["trainer"]

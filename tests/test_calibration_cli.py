@@ -1,4 +1,5 @@
 """`axoplan calibrate` error paths (one sentence, exit 2) and the Slurm script."""
+import json
 import shutil
 import subprocess
 
@@ -190,3 +191,38 @@ def test_other_work_is_the_machines_cpu_less_the_calibrations_own():
     busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
     assert own1 - own0 > 0.2  # the child's CPU counts as the calibration's own
     assert busy1 - busy0 >= 0.5 * (own1 - own0)  # and as the machine's (ticks of 10 ms, other cores idle or not)
+
+
+@pytest.mark.parametrize("wrote", ["complete", "running", "earlier"])
+def test_workers_that_fail_only_in_teardown_keep_a_complete_run(tmp_path, monkeypatch, capsys, wrote):
+    """gloo once aborted a worker as its groups were destroyed (CI, 2026-12-06: "terminate called without an
+    active exception", exit 1) after every measurement was written. A run whose workers marked it complete is
+    kept, with a warning; one they left running, or the earlier run's complete meta a --parts run starts
+    from, is still a failure, and the log says which part was under way."""
+    from axoplan.cli import calibrate as C
+    from axoplan.errors import UserError
+
+    res = tmp_path / "r"
+    res.mkdir()
+    if wrote == "earlier":
+        (res / "meta.json").write_text(json.dumps({"status": "complete", "date": "2026-12-01T00:00:00Z"}))
+
+    class Workers:  # a torchrun whose rank 0 writes the meta, then a rank aborts
+        def __init__(self, args, env, **kw):
+            self.stdout = iter(["AXOPLAN_PROGRESS 1 2 trainer 2x1x1x1 xyz\n", "terminate called without an active exception\n"])
+            if wrote != "earlier":
+                (res / "meta.json").write_text(json.dumps({"status": wrote, "date": "2026-12-06T18:35:00Z"}))
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(C.subprocess, "Popen", Workers)
+    if wrote == "complete":
+        C._run_workers(2, res, True, None, "cpu", "axoplan calibrate --test", [])
+        err = capsys.readouterr().err
+        assert "exited with code 1 after finishing every measurement" in err and "results are complete" in err
+    else:
+        with pytest.raises(UserError, match=r"the calibration workers failed \(exit code 1\)"):
+            C._run_workers(2, res, True, None, "cpu", "axoplan calibrate --test", [])
+    log = (res / "worker.log").read_text()
+    assert "axoplan calibrate: measuring trainer (1 of 2 done)" in log and "terminate called" in log

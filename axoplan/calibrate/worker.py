@@ -485,6 +485,7 @@ def main(argv=None) -> int:
             meta.update(loadavg_end=_loadavg(), status="complete", elapsed_s=round(time.time() - t_start, 1),
                         phase_s=phase_s)
         results.write_meta(meta)
+    dist.barrier()  # the meta says complete before any rank tears down (calibrate accepts a teardown failure)
     dist.destroy_process_group()
     return 0
 

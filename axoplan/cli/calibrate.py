@@ -91,17 +91,24 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
     if threads is not None:  # torchrun would otherwise start every worker with OMP_NUM_THREADS=1
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker killed by a signal leaves its Python stack in the log
     env.update(env_extra or {})  # the marker by which a later calibration finds workers a killed one left
+    meta_before = _meta_text(results)
     t0, busy0, own0 = time.time(), machine_busy_seconds(), own_cpu_seconds()
     with open(log_path, "a" if adding else "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
                                               MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("starting workers", total=None)
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        part = None
         try:
             for line in proc.stdout:
                 if line.startswith("AXOPLAN_PROGRESS "):
                     _, done, total, phase = line.rstrip("\n").split(" ", 3)
                     bar.update(task, completed=int(done), total=int(total), description=phase)
+                    if phase.split(" ", 1)[0] != part:  # the log says which part a failure interrupted
+                        part = phase.split(" ", 1)[0]
+                        log.write(f"axoplan calibrate: measuring {part} ({done} of {total} done)\n")
+                        log.flush()
                 else:
                     log.write(line)
                     log.flush()
@@ -116,11 +123,38 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
             raise UserError(f"cannot write the workers' log '{log_path}': {(e.strerror or str(e)).lower()}") from None
     if rc != 0:
         last = _last_error_line(log_path)
-        raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
-                        f"their log is {log_path}")
+        if not _finished(results, meta_before):
+            raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
+                            f"their log is {log_path}")
+        # every rank passed the last barrier and rank 0 marked the run complete: what failed was the teardown
+        # (gloo can abort a process as its groups are destroyed), and the measurements are whole
+        click.echo(f"warning: the calibration workers exited with code {rc} after finishing every measurement; "
+                   f"the results are complete (their log is {log_path})", err=True)
     wall, busy1 = time.time() - t0, machine_busy_seconds()
     busy = None if busy0 is None or busy1 is None else busy1 - busy0
     return wall, other_work_cores(busy, own_cpu_seconds() - own0, wall)
+
+
+def _meta_text(results: Path) -> str | None:
+    try:
+        return (results / "meta.json").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _finished(results: Path, before: str | None) -> bool:
+    """Whether these workers (not an earlier run, whose meta a --parts run starts from) wrote the run's meta
+    as complete, which rank 0 does after the barrier that ends every part."""
+    import json
+
+    text = _meta_text(results)
+    if text is None or text == before:
+        return False
+    try:
+        meta = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return isinstance(meta, dict) and meta.get("status") == "complete"
 
 
 STAGING_PREFIX = ".measuring-"
