@@ -73,7 +73,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     assert prof["compute"]["gemm"]["ceiling_tflops"]["value"] > 0
     assert prof["memory"]["bandwidth_gbs"] > 0 and prof["compute"]["kernel_overhead_us"]["value"] > 0
     for table, rows in (("gemm", 3 * 2**3), ("collectives", 3 * 5), ("attention", None), ("memory", None),
-                        ("framework", None), ("trainer", 8)):  # 2 models x every grid of 2 ranks
+                        ("framework", None), ("trainer", 12)):  # 3 models x every grid of 2 ranks
         lines = (res / f"{table}.csv").read_text().splitlines()
         assert len(lines) > 1 and (rows is None or len(lines) == 1 + rows), table
     assert "wrote" in p.stdout and "busbw" in p.stdout
@@ -85,7 +85,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     for tab in (prof["network"]["intra_node"]["table"], prof["compute"]["attention"]["table"]):
         assert (out.parent / tab["path"]).exists()
     assert "autograd" in prof["compute"]["kernel_overhead_us"]["source"]
-    assert "trainer's optimizer steps on 8 grids" in prof["corrections"]["source"]
+    assert "trainer's optimizer steps on 12 grids" in prof["corrections"]["source"]
 
     # one part measured again on top of that run: the others are kept, the part keeps its own date
     before = {t: (res / f"{t}.csv").read_text() for t in ("gemm", "collectives", "trainer")}
@@ -96,7 +96,7 @@ def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):
     assert (res / "gemm.csv").read_text() == before["gemm"]
     assert (res / "collectives.csv").read_text() == before["collectives"]
     assert (res / "trainer.csv").read_text() != before["trainer"]
-    assert len((res / "trainer.csv").read_text().splitlines()) == 1 + 8
+    assert len((res / "trainer.csv").read_text().splitlines()) == 1 + 12
     meta = json.loads((res / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["added"][-1]["parts"] == ["trainer"]
     assert set(meta["part_dates"]) >= {"gemm", "collectives", "trainer"}

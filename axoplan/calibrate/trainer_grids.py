@@ -1,5 +1,5 @@
 """Trainer microbenchmark on parallel grids: whole optimizer steps of the bundled trainer on every
-4D grid and placement of the calibration world, for two small calibration models.
+4D grid and placement of the calibration world, for three small calibration models.
 
 The collective tables time each call alone (or after a synthetic compute burst); inside the trainer a
 call also pays what the tables cannot see: the Python and autograd around it, ranks arriving at it at
@@ -18,8 +18,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-# (layers, hidden, heads, vocab, seq)
-MODELS = ((2, 32, 4, 128, 32), (1, 96, 4, 192, 48))
+# (layers, hidden, heads, vocab, seq). The third has blocks for a Z gather to be prefetched behind and compute
+# to hide it: without it the steps rarely decided overlap_efficiency (4-rank calibrations of 2026-12-06 left the
+# dense-burst 0.10 in place, where the trainer's steps on gpt-tiny showed 0.9-1)
+MODELS = ((2, 32, 4, 128, 32), (1, 96, 4, 192, 48), (4, 48, 4, 160, 96))
 WARMUP, STEPS = 5, 15  # the trainer's summary: median time per batch after warm-up
 MAX_GRIDS = 24  # per model: more ranks have many more grids; an even spread of them is timed
 
