@@ -93,7 +93,7 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker killed by a signal leaves its Python stack in the log
     env.update(env_extra or {})  # the marker by which a later calibration finds workers a killed one left
-    meta_before = _meta_text(results)
+    meta_before = _meta(results)
     t0, busy0, own0 = time.time(), machine_busy_seconds(), own_cpu_seconds()
     with open(log_path, "a" if adding else "w") as log, Progress(TextColumn("[bold]calibrating[/bold] {task.description}"), BarColumn(),
                                               MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
@@ -122,8 +122,8 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
             proc.wait()
             raise UserError(f"cannot write the workers' log '{log_path}': {(e.strerror or str(e)).lower()}") from None
     if rc != 0:
-        last = _last_error_line(log_path)
-        if not _finished(results, meta_before):
+        if not _complete(results, unlike=meta_before):
+            last = _last_error_line(log_path)
             raise UserError(f"the calibration workers failed (exit code {rc}{': ' + last if last else ''}); "
                             f"their log is {log_path}")
         # every rank passed the last barrier and rank 0 marked the run complete: what failed was the teardown
@@ -135,38 +135,24 @@ def _run_workers(nproc: int, results: Path, quick: bool, models: str | None, dev
     return wall, other_work_cores(busy, own_cpu_seconds() - own0, wall)
 
 
-def _meta_text(results: Path) -> str | None:
-    try:
-        return (results / "meta.json").read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _finished(results: Path, before: str | None) -> bool:
-    """Whether these workers (not an earlier run, whose meta a --parts run starts from) wrote the run's meta
-    as complete, which rank 0 does after the barrier that ends every part."""
-    import json
-
-    text = _meta_text(results)
-    if text is None or text == before:
-        return False
-    try:
-        meta = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return False
-    return isinstance(meta, dict) and meta.get("status") == "complete"
-
-
 STAGING_PREFIX = ".measuring-"
 
 
-def _complete(results: Path) -> bool:
-    from axoplan.calibrate.results_io import ResultsDir
+def _meta(results: Path) -> dict | None:
+    """The results folder's meta.json as ResultsDir reads it (a FIFO or binary file refused), None if unreadable."""
+    from axoplan.calibrate.results_io import ResultsDir, ResultsError
 
     try:
-        return ResultsDir(results).meta().get("status") == "complete"
-    except (OSError, ValueError, AttributeError):
-        return False
+        return ResultsDir(results).meta()
+    except ResultsError:
+        return None
+
+
+def _complete(results: Path, unlike: dict | None = None) -> bool:
+    """Whether the folder's meta.json says the run is complete; with unlike (the meta an earlier run left, which
+    a --parts run starts from), whether these workers wrote it so, which rank 0 does after the last barrier."""
+    meta = _meta(results)
+    return meta is not None and meta != unlike and meta.get("status") == "complete"
 
 
 def _stage(results: Path, keep: bool) -> Path:
