@@ -40,7 +40,8 @@ DOC = {
     "latency_scale": "multiplies per-ring-step collective latency",
     "step_overhead_s": "fixed seconds added to every step (Python, optimizer launch, barriers)",
     "kernel_overhead_scale": "multiplies the per-kernel launch cost",
-    "collective_overhead_s": "fixed seconds added to every collective call (dispatch, ranks arriving late)",
+    "collective_overhead_s": "fixed seconds added to every collective call waited for as it is issued (dispatch, "
+                             "ranks arriving late); not to the Z gathers and reduce-scatters issued ahead",
     "overlap_efficiency": "share of a background collective that hides behind the trainer's compute",
 }
 LOG_BOUND = np.log(20.0)

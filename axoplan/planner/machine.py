@@ -108,7 +108,9 @@ class Corrections:
     latency_scale: float = 1.0
     step_overhead_s: float = 0.0  # fixed time added to every step
     kernel_overhead_scale: float = 1.0  # multiplies the per-kernel launch cost
-    collective_overhead_s: float = 0.0  # fixed time added to every collective call (dispatch, rank skew)
+    # fixed time added to every collective call a rank waits for as it issues it (dispatch, rank skew); the Z
+    # stream's calls issued ahead (OAG prefetch, ORS) do not pay it (timing.timed)
+    collective_overhead_s: float = 0.0
     # replaces network.overlap_efficiency when set: the trainer's own overlap can differ from the
     # calibration's synthetic burst beside a collective
     overlap_efficiency: float | None = None

@@ -110,15 +110,20 @@ def strategy(profile: MachineProfile) -> GpuStreams:
     return CpuSharedCores(profile) if profile.kind == "cpu" else GpuStreams(profile)
 
 
-def timed(w: Window, side_by_side, overlap: bool) -> Timed:
+def timed(w: Window, side_by_side, overlap: bool, skew: float = 0.0) -> Timed:
     """A window's seconds: a collective beside one of its GEMMs (the dI all-reduce beside the dW GEMM) exposes
-    only what the GEMM does not cover."""
+    only what the GEMM does not cover. skew: the per-call overhead of the profile's corrections (dispatch and
+    rank skew, what a rank waits out when it issues a call and waits for it at once); with overlap on, the Z
+    stream's calls are issued a window ahead (OAG) or left in flight (ORS), so their partners have long arrived
+    when they are waited for: they do not pay it."""
     blocking = sum(c.seconds for c in w.blocking)
     for op, colls in w.beside.items():
         t = sum(c.seconds for c in colls)
         gemm = w.compute[op].seconds
         blocking = blocking + (side_by_side(gemm, t) - gemm if overlap else t)
-    return Timed(w.name, w.compute_s(), blocking, sum(c.seconds for c in w.gather), sum(c.seconds for c in w.scatter))
+    ahead = skew if overlap else 0.0
+    return Timed(w.name, w.compute_s(), blocking, sum(np.maximum(c.seconds - ahead, 0.0) for c in w.gather),
+                 sum(np.maximum(c.seconds - ahead, 0.0) for c in w.scatter))
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
@@ -216,11 +221,12 @@ def step_time(profile: MachineProfile, sched: Schedule, overlap: bool, explain: 
     timing = strategy(profile)
     timing.retime(profile, sched)
     side = timing.side_by_side
+    skew = profile.corrections.collective_overhead_s
     L = sched.n_blocks
 
     def times(p):
-        return ([timed(w, side, overlap) for w in p.prefix], [timed(w, side, overlap) for w in p.block],
-                [timed(w, side, overlap) for w in p.suffix])
+        return ([timed(w, side, overlap, skew) for w in p.prefix], [timed(w, side, overlap, skew) for w in p.block],
+                [timed(w, side, overlap, skew) for w in p.suffix])
 
     records = {"forward": [], "backward": [], "backward_recompute": []} if explain else {}
     t_fwd = run_windows(*times(sched.forward), L, overlap, overlap, records.get("forward"), side)
