@@ -194,6 +194,23 @@ def test_refit_recovers_the_trainers_overlap_with_a_per_call_cost(tmp_path, writ
     assert new.corrections.overlap_efficiency == pytest.approx(0.8, abs=0.02) and new.overlap == new.corrections.overlap_efficiency
 
 
+def test_a_correction_pressed_against_its_bound_is_the_bound(tmp_path, write_profile, model_yaml):
+    """Runs made with no overlap at all: the fit presses overlap_efficiency against 0, where the solver stops a
+    hair inside (4.5e-26 in a calibration of 2026-12-06); the profile says 0, not a number nobody can read."""
+    from conftest import profile_dict
+
+    d = profile_dict(name="ovl0", gpus_per_node=8, intra_groups=((2, 1, 20), (4, 1, 20), (8, 1, 20)))
+    d["network"]["overlap_efficiency"] = {"value": 0.5, "source": "test"}
+    prof = write_profile(raw=d, name="ovl0")
+    model = model_yaml(name="mid0", n_layers=4, hidden=1024, n_heads=16, vocab=4096, seq_len=512)
+    res = tmp_path / "r.csv"
+    synthetic_results(res, model, prof, {"overlap_efficiency": 0.0, "collective_overhead_s": 3e-4},
+                      [(8, 32), (8, 64), (4, 16)], every=2)
+    r = refit(str(res), str(prof), str(tmp_path / "new.yaml"), params=["overlap_efficiency", "collective_overhead_s"])
+    assert r.after["overlap_efficiency"] == 0.0
+    assert r.after["collective_overhead_s"] == pytest.approx(3e-4, rel=0.05)
+
+
 def test_an_unset_overlap_correction_is_not_written_and_a_bad_one_is_refused(setup, write_profile, capsys):
     tmp, model, prof = setup
     res = tmp / "results.csv"
