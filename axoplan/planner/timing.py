@@ -121,11 +121,12 @@ def timed(w: Window, side_by_side, overlap: bool, skew: float = 0.0) -> Timed:
         t = sum(c.seconds for c in colls)
         gemm = w.compute[op].seconds
         blocking = blocking + (side_by_side(gemm, t) - gemm if overlap else t)
-    if not (overlap and skew):  # the bundled GPU profiles have no per-call overhead: no array pass for it
-        return Timed(w.name, w.compute_s(), blocking, sum(c.seconds for c in w.gather),
-                     sum(c.seconds for c in w.scatter))
-    return Timed(w.name, w.compute_s(), blocking, sum(np.maximum(c.seconds - skew, 0.0) for c in w.gather),
-                 sum(np.maximum(c.seconds - skew, 0.0) for c in w.scatter))
+    ahead = overlap and skew  # the bundled GPU profiles have no per-call overhead: no array pass for it
+
+    def z_stream(calls):
+        return sum(np.maximum(c.seconds - skew, 0.0) if ahead else c.seconds for c in calls)
+
+    return Timed(w.name, w.compute_s(), blocking, z_stream(w.gather), z_stream(w.scatter))
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
