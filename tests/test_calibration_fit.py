@@ -313,8 +313,11 @@ def test_trainer_steps_give_the_profile_known_corrections(tmp_path):
     corr = built.profile["corrections"]
     assert corr["collective_overhead_s"] == pytest.approx(1e-3, rel=0.1)
     assert corr["overlap_efficiency"] == pytest.approx(0.6, abs=0.08)
-    # both found; timing noise may buy the criterion one more correction (here the per-kernel cost), no more
-    assert set(true) <= set(built.summary["trainer_params"]) and len(built.summary["trainer_params"]) <= 3
+    # both found; timing noise may buy the criterion others (here the per-kernel cost and the latency scale, which
+    # the per-call cost now resembles: both grow with the group), each within a fifth of changing nothing
+    chosen = built.summary["trainer_params"]
+    assert set(true) <= set(chosen)
+    assert all(abs(v - 1) < 0.2 for k, v in chosen.items() if k not in true), chosen
     assert "39 grids and placements" in corr["source"] and built.summary["trainer_mape_after"] < 2.0
     assert built.summary["trainer_mape_before"] > 10.0  # the microbenchmarks alone miss what the steps show
     loaded = profile_writer._load(built.profile, built.files())

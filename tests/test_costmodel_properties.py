@@ -187,29 +187,42 @@ def test_run_windows_by_hand():
 
 
 def test_calls_issued_ahead_do_not_pay_the_per_call_overhead():
-    """timed(), by hand, with a per-call overhead (collective_overhead_s) of 1.2 ms in every call's seconds: a
-    blocking all-reduce of 2.0 ms keeps it; with overlap on, the Z stream's prefetched all-gather (1.5 ms) and
-    reduce-scatter left in flight (1.0 ms) were issued ahead and shed it: 0.3 ms and 0 (never below zero);
-    without overlap each is waited for as it is issued and keeps its whole time. Measured on the bundled trainer
-    (4 gloo ranks, calib-4l on 1x1x2x2 and 1x2x2x1): a blocking Y all-reduce waited 2.1 ms a call against the
-    0.8 ms its table gives, a prefetched Z all-gather 0.86 ms, about its table's 0.75-0.9 ms."""
+    """timed(), by hand, with a per-call overhead in every call's seconds (Collective.overhead: a pair's 1.2 ms,
+    a group of 4's 2.6 ms): a blocking all-reduce of 2.0 ms keeps it; with overlap on, the Z stream's prefetched
+    all-gather (1.5 ms, a pair) and reduce-scatter left in flight (2.0 ms, a group of 4) were issued ahead and
+    shed theirs: 0.3 ms and 0 (never below zero); without overlap each is waited for as it is issued and keeps
+    its whole time. Measured on the bundled trainer (4 gloo ranks, calib-4l on 1x1x2x2 and 1x2x2x1): a blocking
+    Y all-reduce waited 2.1 ms a call against the 0.8 ms its table gives, a prefetched Z all-gather 0.86 ms,
+    about its table's 0.75-0.9 ms."""
     from types import SimpleNamespace
 
     from axoplan.planner.comm import Collective
     from axoplan.planner.schedule import Window
     from axoplan.planner.timing import overlapped, timed
 
-    def call(kind, axis, ms):
-        return Collective("qkv", "fwd", kind, axis, np.array([1024.0]), np.array([ms * 1e-3]))
+    def call(kind, axis, ms, over_ms):
+        return Collective("qkv", "fwd", kind, axis, np.array([1024.0]), np.array([ms * 1e-3]), overhead=over_ms * 1e-3)
 
     w = Window("qkv", {"gemm fwd": SimpleNamespace(seconds=np.array([0.5e-3]))},
-               blocking=[call("all_reduce", "y", 2.0)], gather=[call("all_gather", "z", 1.5)],
-               scatter=[call("reduce_scatter", "z", 1.0)])
+               blocking=[call("all_reduce", "y", 2.0, 1.2)], gather=[call("all_gather", "z", 1.5, 1.2)],
+               scatter=[call("reduce_scatter", "z", 2.0, 2.6)])
     on, off, none = timed(w, overlapped, True, 1.2e-3), timed(w, overlapped, False, 1.2e-3), timed(w, overlapped, True)
     assert float(on.blocking[0]) == pytest.approx(2.0e-3) and float(off.blocking[0]) == pytest.approx(2.0e-3)
     assert float(on.ag[0]) == pytest.approx(0.3e-3) and float(on.rs[0]) == 0.0
-    assert (float(off.ag[0]), float(off.rs[0])) == pytest.approx((1.5e-3, 1.0e-3))
-    assert (float(none.ag[0]), float(none.rs[0])) == pytest.approx((1.5e-3, 1.0e-3))  # no overhead: nothing shed
+    assert (float(off.ag[0]), float(off.rs[0])) == pytest.approx((1.5e-3, 2.0e-3))
+    assert (float(none.ag[0]), float(none.rs[0])) == pytest.approx((1.5e-3, 2.0e-3))  # no overhead: nothing shed
+
+
+def test_the_per_call_overhead_grows_with_the_group_as_its_last_arrival():
+    """rank_skew by hand: a rank waits E[max of p exponential latenesses] - E[its own] = H_p - 1 mean
+    latenesses, a pair's 1/2; in a pair's units 2 (H_p - 1): 0 for one rank, 1 for 2, 5/3 for 3, 13/6 for 4,
+    481/140 for 8 (H_8 = 761/280), and past the summed table (64) the series agrees with the sum. A measured
+    group shape pays collective_overhead_s times it on top of its table (comm.table_seconds)."""
+    from axoplan.planner.comm import rank_skew
+
+    assert rank_skew([1, 2, 3, 4, 8]) == pytest.approx([0.0, 1.0, 5 / 3, 13 / 6, 481 / 140])
+    for p in (64, 65, 1000):
+        assert float(rank_skew(p)) == pytest.approx(2 * (sum(1 / i for i in range(1, p + 1)) - 1), rel=1e-9)
 
 
 @settings(max_examples=20, deadline=None)

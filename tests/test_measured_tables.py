@@ -65,9 +65,12 @@ def test_unmeasured_shapes_and_kinds_keep_the_alpha_beta_model(tmp_path):
 
 def test_corrections_split_the_curve_at_its_smallest_size(tmp_path):
     rows = [("all_reduce", 2, 1, b, t) for b, t in AR21.items()]
+    rows += [("all_reduce", 4, 1, b, 2 * t) for b, t in AR21.items()]
     prof = _profile(tmp_path, rows, intra_bw_scale=2.0, latency_scale=0.5, collective_overhead_s=1e-3)
     t0, t = AR21[8], AR21[1048576]
     assert _one(prof, "all_reduce", "x", 1048576) == pytest.approx(0.5 * t0 + (t - t0) / 2 + 1e-3)
+    # a group of 4 waits for the last of 4: 2 (H_4 - 1) = 13/6 pairs' overheads (comm.rank_skew)
+    assert _one(prof, "all_reduce", "x", 1048576, gx=4, gd=2) == pytest.approx(t0 + (t - t0) + 13 / 6 * 1e-3)
 
 
 def test_inter_node_rows_of_a_table_are_ignored(tmp_path):
@@ -136,6 +139,8 @@ def test_bundled_cpu_profile_predicts_with_its_tables():
     smallest = [float(np.exp(ls[0])) for _, lb, ls in prof.coll_table.curves["all_reduce", 4, 1]]
     assert len(smallest) >= 2  # ranks share the 2 cores here: calls were timed after bursts too
     t = _one(prof, "all_reduce", "d", 8, gx=1, gd=4)
+    lat = prof.corrections.latency_scale  # the corrections scale the latency-bound part and add the 4-group's wait
+    t = (t - float(C.call_overhead(prof.corrections, 4))) / lat
     assert min(smallest) * (1 - 1e-9) <= t <= max(smallest) * (1 + 1e-9)
 
 

@@ -40,8 +40,9 @@ DOC = {
     "latency_scale": "multiplies per-ring-step collective latency",
     "step_overhead_s": "fixed seconds added to every step (Python, optimizer launch, barriers)",
     "kernel_overhead_scale": "multiplies the per-kernel launch cost",
-    "collective_overhead_s": "fixed seconds added to every collective call waited for as it is issued (dispatch, "
-                             "ranks arriving late); not to the Z gathers and reduce-scatters issued ahead",
+    "collective_overhead_s": "seconds added to every collective call waited for as it is issued (dispatch, ranks "
+                             "arriving late), a pair's: a group of p waits for the last of p, 2 (H_p - 1) times "
+                             "it; not to the Z gathers and reduce-scatters issued ahead",
     "overlap_efficiency": "share of a background collective that hides behind the trainer's compute",
 }
 LOG_BOUND = np.log(20.0)

@@ -25,6 +25,28 @@ FP32 = 4
 DP_BUCKET_BYTES = 25 * 2**20
 
 
+def rank_skew(p) -> np.ndarray:
+    """How long a rank waits for the last of a group of p to arrive, in units of a pair's wait: with each rank's
+    lateness independent and exponential, a rank waits E[max of p] - E[its own] = (H_p - 1) mean latenesses
+    (H_p the p-th harmonic number; Renyi's representation of exponential order statistics), 1/2 for a pair:
+    2 (H_p - 1), 1 for a pair, 0 for one rank. Measured in the trainer on 4 and 8 gloo ranks sharing 2 cores:
+    a blocking all-reduce waits 0.4-0.6 ms more than its calibrated time in groups of 2 and 0.9-1.6 ms in groups
+    of 4 (docs/calibration.md)."""
+    p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
+    # H_p summed up to 64 ranks, beyond by its asymptotic series (within 1e-9 there)
+    series = np.log(p) + np.euler_gamma + 1 / (2 * p) - 1 / (12 * p**2)
+    harmonic = np.where(p <= len(_HARMONIC), _HARMONIC[np.minimum(p, len(_HARMONIC)).astype(np.int64) - 1], series)
+    return 2.0 * (harmonic - 1.0)
+
+
+_HARMONIC = np.cumsum(1.0 / np.arange(1, 65))
+
+
+def call_overhead(corr, p) -> np.ndarray:
+    """The corrections' per-call overhead (collective_overhead_s, a pair's) of a call over a group of p."""
+    return corr.collective_overhead_s * rank_skew(p)
+
+
 @dataclass
 class Groups:
     """Per axis and candidate: group size, stride, bus bandwidth (bytes/s), latency per ring step (s),
@@ -113,7 +135,7 @@ def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, no
     t = protocol_time(profile.physics.protocols, kind, nbytes, p, per_node, nodes,
                       np.asarray(busbw, dtype=np.float64) * profile.coll_bw_scale[kind],
                       corr.latency_scale * profile.coll_lat_scale[kind])
-    return np.where(np.asarray(p) > 1, t + corr.collective_overhead_s, 0.0)
+    return np.where(np.asarray(p) > 1, t + call_overhead(corr, p), 0.0)
 
 
 def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nodes, busbw,
@@ -231,7 +253,7 @@ def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, in
             tree = 2 * np.ceil(np.log2(np.maximum(p, 1)))
             steps = np.where(inside, steps, np.minimum(steps, tree))
         fixed = steps * latency * profile.coll_lat_scale[kind]
-    fixed = fixed + np.where(p > 1, profile.corrections.collective_overhead_s, 0.0)
+    fixed = fixed + call_overhead(profile.corrections, p)
     return per_byte, fixed
 
 
@@ -319,7 +341,7 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
                  for t0, t in _table_curves(profile.coll_table, kind, int(size), int(stride), nb, float(slope))]
     bursts = [b for b, _, _ in profile.coll_table.curves[kind, int(size), int(stride)]]
     if len(bursts) == 1:
-        return per_burst[0] + c.collective_overhead_s
+        return per_burst[0] + call_overhead(c, size)
     stack = np.stack(np.broadcast_arrays(*per_burst))
     w = np.clip(np.asarray(burst, dtype=np.float64), bursts[0], bursts[-1])
     out = np.empty(np.broadcast(stack[0], w).shape)
@@ -328,7 +350,7 @@ def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nb
         f = (w - lo) / (hi - lo)
         seg = (w >= lo) & ((w <= hi) if i == len(bursts) - 2 else (w < hi))
         out = np.where(seg, stack[i] * (1 - f) + stack[i + 1] * f, out)
-    return out + c.collective_overhead_s
+    return out + call_overhead(c, size)
 
 
 # lookups of at most this many sizes are kept in CollectiveTable.memo (at most MEMO_MAX entries)
@@ -379,6 +401,8 @@ class Collective:
     # the once-per-step calls: what compute precedes this one (measured collectives depend on it): the
     # backward, the backward where it is the first call after it with a group of more than one, the optimizer
     after: str = ""
+    # of `seconds`, the per-call overhead (call_overhead): what a call waited for long after it was issued saves
+    overhead: np.ndarray | float = 0.0
 
 
 def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
@@ -404,7 +428,8 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
             if p > 1 and profile.coll_table.covers(kind, p, s):
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
-    return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t)
+    over = call_overhead(profile.corrections, g.size[axis]) if profile.corrections.collective_overhead_s else 0.0
+    return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t, overhead=over)
 
 
 def boundary_crosses(gpus_per_node: int, stride, pp: int, gpus) -> np.ndarray:

@@ -108,8 +108,9 @@ class Corrections:
     latency_scale: float = 1.0
     step_overhead_s: float = 0.0  # fixed time added to every step
     kernel_overhead_scale: float = 1.0  # multiplies the per-kernel launch cost
-    # fixed time added to every collective call a rank waits for as it issues it (dispatch, rank skew); the Z
-    # stream's calls issued ahead (OAG prefetch, ORS) do not pay it (timing.timed)
+    # time added to every collective call a rank waits for as it issues it (dispatch, rank skew), a pair's: a
+    # group of p waits for its last rank, comm.rank_skew(p) times it; the Z stream's calls issued ahead (OAG
+    # prefetch, ORS) do not pay it (timing.timed)
     collective_overhead_s: float = 0.0
     # replaces network.overlap_efficiency when set: the trainer's own overlap can differ from the
     # calibration's synthetic burst beside a collective

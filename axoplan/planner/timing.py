@@ -112,10 +112,10 @@ def strategy(profile: MachineProfile) -> GpuStreams:
 
 def timed(w: Window, side_by_side, overlap: bool, skew: float = 0.0) -> Timed:
     """A window's seconds: a collective beside one of its GEMMs (the dI all-reduce beside the dW GEMM) exposes
-    only what the GEMM does not cover. skew: the per-call overhead of the profile's corrections (dispatch and
-    rank skew, what a rank waits out when it issues a call and waits for it at once); with overlap on, the Z
-    stream's calls are issued a window ahead (OAG) or left in flight (ORS), so their partners have long arrived
-    when they are waited for: they do not pay it."""
+    only what the GEMM does not cover. skew: the profile's per-call overhead (corrections.collective_overhead_s:
+    dispatch and rank skew, what a rank waits out when it issues a call and waits for it at once); with overlap
+    on, the Z stream's calls are issued a window ahead (OAG) or left in flight (ORS), so their partners have long
+    arrived when they are waited for: they do not pay theirs (Collective.overhead)."""
     blocking = sum(c.seconds for c in w.blocking)
     for op, colls in w.beside.items():
         t = sum(c.seconds for c in colls)
@@ -124,7 +124,7 @@ def timed(w: Window, side_by_side, overlap: bool, skew: float = 0.0) -> Timed:
     ahead = overlap and skew  # the bundled GPU profiles have no per-call overhead: no array pass for it
 
     def z_stream(calls):
-        return sum(np.maximum(c.seconds - skew, 0.0) if ahead else c.seconds for c in calls)
+        return sum(np.maximum(c.seconds - c.overhead, 0.0) if ahead else c.seconds for c in calls)
 
     return Timed(w.name, w.compute_s(), blocking, z_stream(w.gather), z_stream(w.scatter))
 
