@@ -201,12 +201,16 @@ def test_calls_issued_ahead_do_not_pay_the_per_call_overhead():
     from axoplan.planner.timing import overlapped, timed
 
     def call(kind, axis, ms, over_ms):
-        return Collective("qkv", "fwd", kind, axis, np.array([1024.0]), np.array([ms * 1e-3]), overhead=over_ms * 1e-3)
+        over = None if over_ms is None else np.array([over_ms * 1e-3])
+        return Collective("qkv", "fwd", kind, axis, np.array([1024.0]), np.array([ms * 1e-3]), overhead=over)
 
-    w = Window("qkv", {"gemm fwd": SimpleNamespace(seconds=np.array([0.5e-3]))},
-               blocking=[call("all_reduce", "y", 2.0, 1.2)], gather=[call("all_gather", "z", 1.5, 1.2)],
-               scatter=[call("reduce_scatter", "z", 2.0, 2.6)])
-    on, off, none = timed(w, overlapped, True, 1.2e-3), timed(w, overlapped, False, 1.2e-3), timed(w, overlapped, True)
+    def window(ag_over, rs_over):
+        return Window("qkv", {"gemm fwd": SimpleNamespace(seconds=np.array([0.5e-3]))},
+                      blocking=[call("all_reduce", "y", 2.0, ag_over)], gather=[call("all_gather", "z", 1.5, ag_over)],
+                      scatter=[call("reduce_scatter", "z", 2.0, rs_over)])
+
+    w = window(1.2, 2.6)
+    on, off, none = timed(w, overlapped, True), timed(w, overlapped, False), timed(window(None, None), overlapped, True)
     assert float(on.blocking[0]) == pytest.approx(2.0e-3) and float(off.blocking[0]) == pytest.approx(2.0e-3)
     assert float(on.ag[0]) == pytest.approx(0.3e-3) and float(on.rs[0]) == 0.0
     assert (float(off.ag[0]), float(off.rs[0])) == pytest.approx((1.5e-3, 2.0e-3))

@@ -42,9 +42,10 @@ def rank_skew(p) -> np.ndarray:
 _HARMONIC = np.cumsum(1.0 / np.arange(1, 65))
 
 
-def call_overhead(corr, p) -> np.ndarray:
-    """The corrections' per-call overhead (collective_overhead_s, a pair's) of a call over a group of p."""
-    return corr.collective_overhead_s * rank_skew(p)
+def call_overhead(corr, p) -> np.ndarray | float:
+    """The corrections' per-call overhead (collective_overhead_s, a pair's) of a call over a group of p; 0 without
+    the correction (every bundled GPU profile: no pass over the candidates for it)."""
+    return corr.collective_overhead_s * rank_skew(p) if corr.collective_overhead_s else 0.0
 
 
 @dataclass
@@ -233,7 +234,7 @@ def p2p_seconds(profile: MachineProfile, nbytes, crosses_node, concurrent_per_no
             b = np.minimum(np.minimum(pro.bw_factor * bw, pr.channels * pro.per_channel[0]),
                            pr.ll_max[0] if pro.name == "LL" else np.inf)
             inter = np.minimum(inter, (pro.base + pro.net) * lat_c * pr.latency_scale + nb / b)
-    return np.where(cross, inter, intra) + corr.collective_overhead_s
+    return np.where(cross, inter, intra) + call_overhead(corr, 2)
 
 
 def _ring_coefficients(profile: MachineProfile, kind: str, p, busbw, latency, inside=True, stride=1):
@@ -401,8 +402,9 @@ class Collective:
     # the once-per-step calls: what compute precedes this one (measured collectives depend on it): the
     # backward, the backward where it is the first call after it with a group of more than one, the optimizer
     after: str = ""
-    # of `seconds`, the per-call overhead (call_overhead): what a call waited for long after it was issued saves
-    overhead: np.ndarray | float = 0.0
+    # of `seconds`, the per-call overhead (call_overhead), which a call waited for long after it was issued saves;
+    # None where the profile has none
+    overhead: np.ndarray | None = None
 
 
 def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
@@ -428,7 +430,7 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
             if p > 1 and profile.coll_table.covers(kind, p, s):
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
-    over = call_overhead(profile.corrections, g.size[axis]) if profile.corrections.collective_overhead_s else 0.0
+    over = call_overhead(profile.corrections, g.size[axis]) if profile.corrections.collective_overhead_s else None
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t, overhead=over)
 
 

@@ -54,13 +54,13 @@ def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
     return vpp * q + extra
 
 
-def _stage_parts(sched: Schedule, side, overlap: bool, skew: float = 0.0) -> dict:
+def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
     """(kind, pass) -> (run_windows' parts, (compute of one block and one micro-batch's fixed windows, of a block),
     the same for the collectives) of every stage kind; each window is timed once for all kinds."""
     out = {}
     for name, p in (("forward", sched.forward), ("backward", sched.backward),
                     ("backward_recompute", sched.backward_recompute)):
-        cache = {id(w): timed(w, side, overlap, skew) for w in p.prefix + p.block + p.suffix}
+        cache = {id(w): timed(w, side, overlap) for w in p.prefix + p.block + p.suffix}
         t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
         block_compute = sum(w.compute_s() for w in p.block)
         block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
@@ -197,7 +197,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
     timing = strategy(profile)
     timing.retime(profile, sched)
-    parts = _stage_parts(sched, timing.side_by_side, overlap, profile.corrections.collective_overhead_s)
+    parts = _stage_parts(sched, timing.side_by_side, overlap)
     ck = np.asarray(to_c(sched.checkpointing))
     grad_acc = to_c(sched.grad_acc)
     shape = np.broadcast(ck, c.gx, grad_acc).shape

@@ -110,21 +110,21 @@ def strategy(profile: MachineProfile) -> GpuStreams:
     return CpuSharedCores(profile) if profile.kind == "cpu" else GpuStreams(profile)
 
 
-def timed(w: Window, side_by_side, overlap: bool, skew: float = 0.0) -> Timed:
+def timed(w: Window, side_by_side, overlap: bool) -> Timed:
     """A window's seconds: a collective beside one of its GEMMs (the dI all-reduce beside the dW GEMM) exposes
-    only what the GEMM does not cover. skew: the profile's per-call overhead (corrections.collective_overhead_s:
-    dispatch and rank skew, what a rank waits out when it issues a call and waits for it at once); with overlap
+    only what the GEMM does not cover. Each call's per-call overhead (Collective.overhead: dispatch and rank skew,
+    what a rank waits out when it issues a call and waits for it at once) stays in a blocking call; with overlap
     on, the Z stream's calls are issued a window ahead (OAG) or left in flight (ORS), so their partners have long
-    arrived when they are waited for: they do not pay theirs (Collective.overhead)."""
+    arrived when they are waited for: they shed theirs."""
     blocking = sum(c.seconds for c in w.blocking)
     for op, colls in w.beside.items():
         t = sum(c.seconds for c in colls)
         gemm = w.compute[op].seconds
         blocking = blocking + (side_by_side(gemm, t) - gemm if overlap else t)
-    ahead = overlap and skew  # the bundled GPU profiles have no per-call overhead: no array pass for it
 
     def z_stream(calls):
-        return sum(np.maximum(c.seconds - c.overhead, 0.0) if ahead else c.seconds for c in calls)
+        return sum(np.maximum(c.seconds - c.overhead, 0.0) if overlap and c.overhead is not None else c.seconds
+                   for c in calls)
 
     return Timed(w.name, w.compute_s(), blocking, z_stream(w.gather), z_stream(w.scatter))
 
@@ -224,12 +224,11 @@ def step_time(profile: MachineProfile, sched: Schedule, overlap: bool, explain: 
     timing = strategy(profile)
     timing.retime(profile, sched)
     side = timing.side_by_side
-    skew = profile.corrections.collective_overhead_s
     L = sched.n_blocks
 
     def times(p):
-        return ([timed(w, side, overlap, skew) for w in p.prefix], [timed(w, side, overlap, skew) for w in p.block],
-                [timed(w, side, overlap, skew) for w in p.suffix])
+        return ([timed(w, side, overlap) for w in p.prefix], [timed(w, side, overlap) for w in p.block],
+                [timed(w, side, overlap) for w in p.suffix])
 
     records = {"forward": [], "backward": [], "backward_recompute": []} if explain else {}
     t_fwd = run_windows(*times(sched.forward), L, overlap, overlap, records.get("forward"), side)
