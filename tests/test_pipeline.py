@@ -346,6 +346,60 @@ def test_ranks_sharing_cores_run_faster_while_others_wait_by_hand():
     assert P.rank_end_times("1f1b", 2, 1, 2, sec, send).ravel().tolist() == [9.0, 7.0]  # not sharing
 
 
+def test_waiting_seconds_do_not_speed_up_while_others_wait_by_hand():
+    """As above, but half of each forward (0.5 s) is waiting that runs at the wall's pace: a forward alone takes
+    0.25 + 0.5 = 0.75 s. s0 F0 alone 0-0.75; s0 F1 and s1 F0 together 0.75-1.75; s1 B0 alone 1.75-2.75; s0 B0
+    with s1 F1 2.75-3.75 (half done), with s1 B1 3.75-4.75; s1 B1's last half alone 4.75-5.25; s0 B1 alone
+    5.25-6.25."""
+    sec, send = np.array([[1.0], [1.0], [2.0], [2.0]]), np.zeros((2, 1))
+    waiting = np.array([[0.5], [0.5], [0.0], [0.0]])
+    f = P.sharing_factors(2, 2, 1)
+    ends, ran = P.shared_rank_end_times("1f1b", 2, 1, 2, sec, send, f, waiting)
+    assert ends.ravel().tolist() == pytest.approx([6.25, 5.25]) and ran.ravel().tolist() == pytest.approx([4.75, 4.5])
+    # no waiting: the walk above, to the bit
+    assert np.array_equal(P.shared_rank_end_times("1f1b", 2, 1, 2, sec, send, f, np.zeros_like(sec))[0],
+                          P.shared_rank_end_times("1f1b", 2, 1, 2, sec, send, f)[0])
+
+
+def test_a_collective_over_more_ranks_than_cores_keeps_its_back_to_back_time_in_a_pipeline(monkeypatch):
+    """Where a stage's groups have more ranks than the node's cores (ranks sharing cores), their collectives'
+    back-to-back time (the calibration's burst 0) does not shrink while the other stage waits: such pipelined
+    candidates take longer than if it did; groups that fit the cores, and candidates without a pipeline, are
+    untouched."""
+    import dataclasses
+
+    from axoplan.planner import comm, timing
+    from axoplan.planner.machine import load_profile
+
+    prof = load_profile("localhost-cpu")  # 4 ranks on 2 cores
+    one_core = dataclasses.replace(prof, shared_cores=1)  # pairs no longer fit
+    idx = ["gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "pp", "vpp", "schedule"]
+
+    def ranked(p):
+        return axoplan.rank("gpt-tiny", p, 4, 16, top=None).set_index(idx)["batch_time_s"]
+
+    with_it = {c: ranked(p) for c, p in (("2 cores", prof), ("1 core", one_core))}
+    monkeypatch.setattr(timing, "switching_seconds", lambda *a: 0.0)
+    without = {c: ranked(p).loc[with_it[c].index] for c, p in (("2 cores", prof), ("1 core", one_core))}
+    assert np.array_equal(with_it["2 cores"].to_numpy(), without["2 cores"].to_numpy())
+    a, b = with_it["1 core"], without["1 core"]
+    piped = a.index.get_level_values("pp") > 1
+    paired = piped & ((a.index.get_level_values("gx") > 1) | (a.index.get_level_values("gy") > 1)
+                      | (a.index.get_level_values("gz") > 1))
+    assert paired.any() and (a[paired] > b[paired] * (1 + 1e-9)).all()
+    assert np.array_equal(a[~piped].to_numpy(), b[~piped].to_numpy())
+    monkeypatch.undo()
+    # each such call's switching seconds are its time called back to back
+    ex = axoplan.explain("gpt-tiny", one_core, 4, 16, grid=(1, 2, 1, 1), pp=2, micro_batch=2, checkpointing=False)
+    sched = ex.detail["schedule"]
+    calls = [c for w in sched.forward.block for c in w.collectives() if c.axis == "y"]
+    assert calls
+    for c in calls:
+        assert float(np.ravel(c.switching)[0]) == pytest.approx(
+            min(float(np.ravel(comm.collective_seconds(one_core, sched.groups, c, 0.0))[0]),
+                float(np.ravel(c.seconds)[0])))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), pp=st.integers(2, 4), vpp=st.integers(1, 2), rounds=st.integers(1, 3))
 def test_sharing_nothing_is_the_walk(seed, pp, vpp, rounds):

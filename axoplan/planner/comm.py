@@ -405,6 +405,9 @@ class Collective:
     # of `seconds`, the per-call overhead (call_overhead), which a call waited for long after it was issued saves;
     # None where the profile has none
     overhead: np.ndarray | None = None
+    # of `seconds`, what the call takes even while other ranks leave their cores free (ranks sharing cores, a
+    # group larger than the cores: its members switched in turn at every step); 0 elsewhere
+    switching: np.ndarray | float = 0.0
 
 
 def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:

@@ -288,29 +288,32 @@ def sharing_factors(pp: int, ranks_on_node: int, cores: int) -> np.ndarray:
 
 
 def shared_rank_end_times(schedule: str, pp: int, vpp: int, m, seconds: np.ndarray, send: np.ndarray,
-                          factors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                          factors: np.ndarray, waiting: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """rank_end_times for ranks that share cores (MachineProfile.shared_cores): the same order and inputs, each
     operation's seconds (as measured with every rank busy) run at factors[k] per second while k pipeline ranks
-    compute, k changing as ranks start and finish (processor sharing, an event at each). Walked in full (m per
+    compute, k changing as ranks start and finish (processor sharing, an event at each), except its `waiting`
+    seconds ([2V, n] as seconds, None: none), which run at the wall's pace (a collective whose members cannot all
+    run at once: timing.switching_seconds); an operation spreads the two evenly over its run. Walked in full (m per
     candidate, or one), one candidate at a time (a cpu space is small). Returns ([pp, n] end times, [pp, n]
     seconds each rank ran)."""
     V = pp * vpp
     n = seconds.shape[1]
     ms = np.broadcast_to(np.asarray(m), (n,))
     rows = send_rows(send, pp)
+    wait = np.zeros_like(seconds) if waiting is None else np.minimum(np.broadcast_to(waiting, seconds.shape), seconds)
     ends, ran = np.zeros((pp, n)), np.zeros((pp, n))
     for j in range(n):
         mj = int(ms[j])
         ends[:, j], ran[:, j] = _shared_walk(rank_sequences(schedule, pp, vpp, mj), V, mj, seconds[:, j].tolist(),
-                                             rows[:, j].tolist(), factors.tolist())
+                                             wait[:, j].tolist(), rows[:, j].tolist(), factors.tolist())
     return ends, ran
 
 
-def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list) -> tuple[list, list]:
+def _shared_walk(seqs, V: int, m: int, seconds: list, wait: list, send: list, factors: list) -> tuple[list, list]:
     """One candidate's processor-sharing walk (shared_rank_end_times)."""
     pp = len(seqs)
     done: dict = {}  # operation id -> end time
-    ptr, rem, start = [0] * pp, [0.0] * pp, [None] * pp
+    ptr, rem, start, cur = [0] * pp, [0.0] * pp, [None] * pp, [0] * pp
     ran, end = [0.0] * pp, [0.0] * pp
     t = 0.0
 
@@ -329,7 +332,7 @@ def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list)
                 d, lag, row = needs(o)
                 at = 0.0 if d is None else (done[d] + lag if d in done else None)
                 if at is not None and at <= t + 1e-15:
-                    start[r], rem[r] = t, seconds[row]
+                    start[r], rem[r], cur[r] = t, 1.0, row
                 elif at is not None:
                     arrivals.append(at)
         busy = [r for r in range(pp) if start[r] is not None]
@@ -339,12 +342,14 @@ def _shared_walk(seqs, V: int, m: int, seconds: list, send: list, factors: list)
             t = min(arrivals)
             continue
         f = factors[len(busy)]
-        step = min(rem[r] for r in busy) * f
+        # an operation's computing runs at the sharing factor, its waiting in collectives at the wall's pace
+        cost = {r: (seconds[cur[r]] - wait[cur[r]]) * f + wait[cur[r]] for r in busy}
+        step = min(rem[r] * cost[r] for r in busy)
         if arrivals:
             step = min(step, min(arrivals) - t)
         t += step
         for r in busy:
-            rem[r] -= step / f
+            rem[r] = rem[r] - step / cost[r] if cost[r] > 0 else 0.0
             if rem[r] <= 1e-12:
                 o = int(seqs[r][ptr[r]])
                 done[o] = t

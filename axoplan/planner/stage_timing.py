@@ -56,7 +56,8 @@ def rank_blocks(n_layers: int, pp, vpp, rank) -> np.ndarray:
 
 def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
     """(kind, pass) -> (run_windows' parts, (compute of one block and one micro-batch's fixed windows, of a block),
-    the same for the collectives) of every stage kind; each window is timed once for all kinds."""
+    the same for the collectives, and for their switching seconds) of every stage kind; each window is timed once
+    for all kinds."""
     out = {}
     for name, p in (("forward", sched.forward), ("backward", sched.backward),
                     ("backward_recompute", sched.backward_recompute)):
@@ -64,6 +65,7 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
         t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
         block_compute = sum(w.compute_s() for w in p.block)
         block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
+        block_switch = sum(sum(c.switching for c in w.collectives()) for w in p.block)
         memo: dict = {}  # the kinds share the block's windows: each timed once
         for kind, (first, last) in KINDS.items():
             st = p.stage(first, last)
@@ -73,7 +75,8 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
             ends = st.prefix + st.suffix
             compute = (sum(w.compute_s() for w in ends) + block_compute, block_compute)
             colls = (sum(sum(c.seconds for c in w.collectives()) for w in ends) + block_colls, block_colls)
-            out[kind, name] = (parts, compute, colls)
+            switch = (sum(sum(c.switching for c in w.collectives()) for w in ends) + block_switch, block_switch)
+            out[kind, name] = (parts, compute, colls, switch)
     return out
 
 
@@ -264,19 +267,20 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
 
     # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
     flat_parts = {}
-    for key, (pr, (c1, cb), (l1, lb)) in parts.items():
-        flat_parts[key] = [Lazy(x) for x in (pr["prefix"], pr["block"], pr["last"], pr["suffix"], c1, cb, l1, lb)]
+    for key, (pr, (c1, cb), (l1, lb), (s1, sb_)) in parts.items():
+        flat_parts[key] = [Lazy(x) for x in (pr["prefix"], pr["block"], pr["last"], pr["suffix"], c1, cb, l1, lb,
+                                             s1, sb_)]
 
     def stage(kind, n, idx):
-        """One micro-batch's (window seconds, compute, collectives) forward and backward on n blocks."""
+        """One micro-batch's (window seconds, compute, collectives, switching) forward and backward on n blocks."""
         out = []
         for name in ("forward", "backward"):
             xs = [a[idx] for a in flat_parts[kind, name]]
             if name == "backward":
                 ys = [a[idx] for a in flat_parts[kind, "backward_recompute"]]
                 xs = [np.where(ckf[idx], y, x) for x, y in zip(xs, ys)]
-            pre, blk, lst, suf, c1, cb, l1, lb = xs
-            out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1)))
+            pre, blk, lst, suf, c1, cb, l1, lb, s1, sb_ = xs
+            out.append((pre + blk * (n - 1) + lst + suf, c1 + cb * (n - 1), l1 + lb * (n - 1), s1 + sb_ * (n - 1)))
         return out
 
     near, far = flat(to_c(sched.p2p_near)), flat(to_c(sched.p2p_far))
@@ -305,6 +309,12 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         per_shape = [stage(kind, n, idx) for kind, n in shapes]
         fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
         bwd_t = np.stack([b[0] for _, b in per_shape])[which]
+        # the part of each operation's window that does not shrink while other ranks wait: its exposed
+        # communication, at most its collectives' switching seconds
+        waiting = np.concatenate([np.minimum(np.maximum(fwd_t - np.stack([f[1] for f, _ in per_shape])[which], 0.0),
+                                             np.stack([f[3] for f, _ in per_shape])[which]),
+                                  np.minimum(np.maximum(bwd_t - np.stack([b[1] for _, b in per_shape])[which], 0.0),
+                                             np.stack([b[3] for _, b in per_shape])[which])])
         # each boundary's transfer: inside a node or across one (boundary b joins ranks b and b + 1, pp - 1 the
         # last back to the first)
         cross = comm.boundary_crosses(profile.gpus_per_node, p_stride[idx], p_, gpus)
@@ -329,7 +339,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
         else:
             f = sharing_factors(p_, on_node, shared)
-            ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f)
+            ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f, waiting)
             share = ran / np.maximum(mm * per_rank_work, 1e-300)
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
         finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
@@ -407,7 +417,7 @@ def _linear(full: dict, kind: str, ck: np.ndarray) -> tuple:
         xs = full[kind, name]
         if name == "backward":
             xs = [np.where(ck, y, x) for x, y in zip(xs, full[kind, "backward_recompute"])]
-        pre, blk, lst, suf, c1, cb, l1, lb = xs
+        pre, blk, lst, suf, c1, cb, l1, lb = xs[:8]
         out.append(((pre + lst + suf - blk, blk), (c1 - cb, cb), (l1 - lb, lb)))
     return tuple(out)
 

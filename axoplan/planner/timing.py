@@ -88,6 +88,7 @@ class CpuSharedCores(GpuStreams):
                     if id(c) not in seen:
                         seen.add(id(c))
                         c.seconds = comm.collective_seconds(profile, sched.groups, c, burst)
+                        c.switching = switching_seconds(profile, sched.groups, c)
         # the once-per-step calls: after the backward's tail (a whole micro-batch when no collective ran in
         # it) the first with a group of more than one, the loss after the optimizer, the rest back to back
         after_bwd = np.where(calls > 0, burst, comp0)
@@ -103,6 +104,20 @@ class CpuSharedCores(GpuStreams):
             else:
                 b = 0.0
             c.seconds = comm.collective_seconds(profile, sched.groups, c, b)
+
+
+def switching_seconds(profile: MachineProfile, groups, c) -> np.ndarray | float:
+    """Of a collective's seconds, those it takes even while the node's other ranks wait: over more ranks than the
+    cores (MachineProfile.shared_cores) not every member can run at once, so each ring step waits for the OS to
+    switch one in, whatever the others do. That is its time called back to back (the calibration's burst 0, every
+    group busy at once: benchmarks/cpu_stage_collectives.py measured groups of 4 on 2 cores at 64-85% of it with
+    the other ranks asleep, pairs at 0.3-0.8 ms). Smaller groups: 0 (all of it shrinks as their compute does)."""
+    if profile.shared_cores is None:
+        return 0.0
+    wide = np.asarray(groups.size[c.axis]) > profile.shared_cores
+    if not np.any(wide):
+        return 0.0
+    return np.where(wide, np.minimum(comm.collective_seconds(profile, groups, c, 0.0), c.seconds), 0.0)
 
 
 def strategy(profile: MachineProfile) -> GpuStreams:
