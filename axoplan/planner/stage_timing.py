@@ -309,12 +309,6 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         per_shape = [stage(kind, n, idx) for kind, n in shapes]
         fwd_t = np.stack([f[0] for f, _ in per_shape])[which]
         bwd_t = np.stack([b[0] for _, b in per_shape])[which]
-        # the part of each operation's window that does not shrink while other ranks wait: its exposed
-        # communication, at most its collectives' switching seconds
-        waiting = np.concatenate([np.minimum(np.maximum(fwd_t - np.stack([f[1] for f, _ in per_shape])[which], 0.0),
-                                             np.stack([f[3] for f, _ in per_shape])[which]),
-                                  np.minimum(np.maximum(bwd_t - np.stack([b[1] for _, b in per_shape])[which], 0.0),
-                                             np.stack([b[3] for _, b in per_shape])[which])])
         # each boundary's transfer: inside a node or across one (boundary b joins ranks b and b + 1, pp - 1 the
         # last back to the first)
         cross = comm.boundary_crosses(profile.gpus_per_node, p_stride[idx], p_, gpus)
@@ -339,6 +333,10 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             ends = rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send)  # [pp, n]
         else:
             f = sharing_factors(p_, on_node, shared)
+            # the part of each window that does not shrink while other ranks wait: its exposed communication, at
+            # most its collectives' switching seconds
+            waiting = np.concatenate([np.stack([np.minimum(np.maximum(x[0] - x[1], 0.0), x[3]) for x in passes])[which]
+                                      for passes in zip(*per_shape)])
             ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f, waiting)
             share = ran / np.maximum(mm * per_rank_work, 1e-300)
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
