@@ -398,6 +398,11 @@ def test_a_collective_over_more_ranks_than_cores_keeps_its_back_to_back_time_in_
         assert float(np.ravel(c.switching)[0]) == pytest.approx(
             min(float(np.ravel(comm.collective_seconds(one_core, sched.groups, c, 0.0))[0]),
                 float(np.ravel(c.seconds)[0])))
+    # what counts is the members on one node: a rank per node leaves every group's core to itself
+    apart = dataclasses.replace(one_core, gpus_per_node=1)
+    ex = axoplan.explain("gpt-tiny", apart, 4, 16, grid=(1, 2, 1, 1), pp=2, micro_batch=2, checkpointing=False)
+    assert all(float(np.ravel(c.switching)[0]) == 0.0 for w in ex.detail["schedule"].forward.block
+               for c in w.collectives())
 
 
 @settings(max_examples=25, deadline=None)

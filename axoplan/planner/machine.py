@@ -294,7 +294,7 @@ class MachineProfile:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     device_count: int | None = None  # the device section's count: logical CPUs of the host, or GPUs per node
     # cpu only: the cores a node's ranks share, its rates measured with every rank busy; a pipeline rank that
-    # waits frees its share (pipeline.shared_rank_end_times), save for collectives over more ranks than the cores
+    # waits frees its share (pipeline.shared_rank_end_times), save for collectives with more members on a node than its cores
     # (timing.switching_seconds). None: each rank has its own device
     shared_cores: int | None = None
     # bytes/s one ring (one communicator's channels) can carry across a node boundary, however few rings share

@@ -111,10 +111,11 @@ def switching_seconds(profile: MachineProfile, groups, c) -> np.ndarray | float:
     cores (MachineProfile.shared_cores) not every member can run at once, so each ring step waits for the OS to
     switch one in, whatever the others do. That is its time called back to back (the calibration's burst 0, every
     group busy at once: benchmarks/cpu_stage_collectives.py measured groups of 4 on 2 cores at 64-85% of it with
-    the other ranks asleep, pairs at 0.3-0.8 ms). Smaller groups: 0 (all of it shrinks as their compute does)."""
+    the other ranks asleep, pairs at 0.3-0.8 ms). Smaller groups: 0 (all of it shrinks as their compute does).
+    What counts is a group's members on one node, whose cores they share."""
     if profile.shared_cores is None:
         return 0.0
-    wide = np.asarray(groups.size[c.axis]) > profile.shared_cores
+    wide = comm.group_nodes(profile, groups.size[c.axis], groups.stride[c.axis])[0] > profile.shared_cores
     if not np.any(wide):
         return 0.0
     return np.where(wide, np.minimum(comm.collective_seconds(profile, groups, c, 0.0), c.seconds), 0.0)
