@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from axoplan.runtime.selfcheck import spawn_world
+from axoplan.planner.pipeline import sharing_factor
+from axoplan.runtime.selfcheck import _free_port, spawn_world
 
 
 def _loop(group, x, a, calls: int, matmuls: int) -> tuple[float, float]:
@@ -97,9 +97,7 @@ def main(argv=None) -> int:
               "negative.", file=sys.stderr)
         return 2
     args = {"sizes": a.sizes, "bytes": a.bytes, "calls": a.calls, "matmuls": a.matmuls, "dim": a.dim}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     print(f"{a.ranks} gloo ranks, one thread each, on {os.cpu_count()} cores; load average before "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; stage A = ranks 0-{a.ranks // 2 - 1}; "
           f"bursts of {a.matmuls} products of {a.dim}x{a.dim}, all-reduce of {a.bytes} B")
@@ -112,7 +110,7 @@ def main(argv=None) -> int:
         print(f"{r['size']:4d} {r['matmuls']:8d} {r['rep']:3d} {r['condition']:10} {r['compute_s'] * 1e3:10.3f} "
               f"{r['call_s'] * 1e3:8.3f}")
     print("ratios A alone / all busy (the planner's sharing factor for one of two stages computing: "
-          f"{min(1.0, (os.cpu_count() or 1) / a.ranks) / min(1.0, (os.cpu_count() or 1) / (a.ranks // 2)):.2f}):")
+          f"{float(sharing_factor(1, 2, a.ranks, os.cpu_count() or 1)):.2f}):")
     for size, n in ((s, n) for s in a.sizes for n in a.matmuls):
         for rep in range(2):
             alone, busy = ({r["condition"]: r for r in rows if (r["size"], r["matmuls"], r["rep"]) == (size, n, rep)}[c]

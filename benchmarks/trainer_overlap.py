@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from axoplan.runtime.selfcheck import _free_port
 
 
 def _worker(rank, world, port, args, out):
@@ -73,9 +74,7 @@ def main():
     world = a.grid[0] * a.grid[1] * a.grid[2] * a.grid[3]
     args = {"model": a.model, "grid": a.grid, "steps": a.steps, "global_batch": a.global_batch,
             "micro_batch": a.micro_batch}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "r.json")
         mp.spawn(_worker, args=(world, port, args, out), nprocs=world)

@@ -63,21 +63,22 @@ def _stage_parts(sched: Schedule, side, overlap: bool) -> dict:
                     ("backward_recompute", sched.backward_recompute)):
         cache = {id(w): timed(w, side, overlap) for w in p.prefix + p.block + p.suffix}
         t = (lambda w, cache=cache: cache[id(w)])  # noqa: E731
-        block_compute = sum(w.compute_s() for w in p.block)
-        block_colls = sum(sum(c.seconds for c in w.collectives()) for w in p.block)
-        block_switch = sum(sum(c.switching for c in w.collectives()) for w in p.block)
+        block = _sums(p.block)
         memo: dict = {}  # the kinds share the block's windows: each timed once
         for kind, (first, last) in KINDS.items():
             st = p.stage(first, last)
             parts: dict = {}
             run_windows([t(w) for w in st.prefix], [t(w) for w in p.block], [t(w) for w in st.suffix], 1, overlap,
                         overlap, None, side, parts, memo)
-            ends = st.prefix + st.suffix
-            compute = (sum(w.compute_s() for w in ends) + block_compute, block_compute)
-            colls = (sum(sum(c.seconds for c in w.collectives()) for w in ends) + block_colls, block_colls)
-            switch = (sum(sum(c.switching for c in w.collectives()) for w in ends) + block_switch, block_switch)
-            out[kind, name] = (parts, compute, colls, switch)
+            ends = _sums(st.prefix + st.suffix)
+            out[kind, name] = (parts, *((e + b, b) for e, b in zip(ends, block)))
     return out
+
+
+def _sums(windows) -> tuple:
+    """The windows' compute, their collectives' seconds and those collectives' switching seconds, each summed."""
+    calls = [c for w in windows for c in w.collectives()]
+    return (sum(w.compute_s() for w in windows), sum(c.seconds for c in calls), sum(c.switching for c in calls))
 
 
 def rank_states(params, model: ModelSpec, gx, blocks, first: bool, last: bool, seq_len: int):
