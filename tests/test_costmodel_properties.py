@@ -186,6 +186,28 @@ def test_run_windows_by_hand():
     assert sum(float(np.asarray(r[1])[0]) for r in rec) == pytest.approx(18.6 - 0.5)
 
 
+def test_switching_seconds_stay_exposed_beside_compute_by_hand():
+    """CPU ranks sharing cores, overlap efficiency 0.5: block [B] x 2 with compute 4, the next all-gather 3 of
+    which 2 are switching seconds (a group wider than the cores), its reduce-scatter 1. The interior window hides
+    half of min(compute, Z stream less switching): 4 + (3 + 1) - 0.5 x min(4, 2) = 7 (6 if nothing were
+    switching); the last one only its reduce-scatter: 4 + 1 - 0.5 = 4.5; with the first all-gather 3 + 7 + 4.5."""
+    import functools
+
+    from axoplan.planner.timing import Timed, overlapped, run_windows
+
+    side = functools.partial(overlapped, eta=0.5)
+    B = Timed("B", np.array([4.0]), np.array([0.0]), np.array([3.0]), np.array([1.0]), np.array([2.0]), 0.0)
+    assert float(run_windows([], [B], [], 2, True, True, side_by_side=side)[0]) == pytest.approx(14.5)
+    plain = Timed("B", B.compute, B.blocking, B.ag, B.rs)
+    assert float(run_windows([], [plain], [], 2, True, True, side_by_side=side)[0]) == pytest.approx(13.5)
+    # without OAG the all-gather blocks in front of its window; only the reduce-scatter's switching counts
+    R = Timed("B", B.compute, B.blocking, B.ag, B.rs, B.ag_switching, np.array([1.0]))
+    assert float(run_windows([], [R], [], 2, False, True, side_by_side=side)[0]) == pytest.approx(2 * (3 + 5))
+    assert float(run_windows([], [plain], [], 2, False, True, side_by_side=side)[0]) == pytest.approx(2 * (3 + 4.5))
+    # more switching than the call: nothing hidden, never a negative share
+    assert overlapped(4.0, 1.0, 0.5, 0.0, 3.0) == 5.0
+
+
 def test_calls_issued_ahead_do_not_pay_the_per_call_overhead():
     """timed(), by hand, with a per-call overhead in every call's seconds (Collective.overhead: a pair's 1.2 ms,
     a group of 4's 2.6 ms): a blocking all-reduce of 2.0 ms keeps it; with overlap on, the Z stream's prefetched

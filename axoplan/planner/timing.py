@@ -3,7 +3,8 @@
 - GPU streams (kind: gpu): compute and communication run side by side on their own streams; while a
   collective runs beside it, compute slows by the profile's stated contention (network.overlap_compute_slowdown).
 - CPU ranks sharing cores (kind: cpu): a background collective hides only the calibrated share of itself
-  (overlap efficiency), and a measured collective's time depends on the compute burst before it.
+  (overlap efficiency), and a measured collective's time depends on the compute burst before it. A group
+  with more members on a node than its cores hides none of its switching seconds (switching_seconds).
 
 Either way a window is one layer's step on the compute stream plus what the Z stream does meanwhile:
 - OAG: the next window's weight all-gather is prefetched during this one, so the window takes
@@ -38,15 +39,21 @@ class Timed:
     blocking: np.ndarray
     ag: np.ndarray
     rs: np.ndarray
+    # of ag and rs, the seconds no compute beside them hides: a wide group's members take turns on the cores
+    # whatever runs beside them (Collective.switching; 0 on GPUs and for groups that fit the cores)
+    ag_switching: np.ndarray | float = 0.0
+    rs_switching: np.ndarray | float = 0.0
 
 
-def overlapped(a, b, eta: float = 1.0, slow: float = 0.0):
+def overlapped(a, b, eta: float = 1.0, slow: float = 0.0, fixed=0.0):
     """Two activities run side by side: max(a, b) when they share nothing (eta 1), their sum when
     the one cannot progress while the other runs (eta 0, e.g. CPU ranks with no core to spare for a
     background collective). With slow > 0 (GPU profiles) compute a runs 1 + slow times slower while
-    collective b runs beside it: max(b, a + b * slow / (1 + slow)) in place of max(a, b)."""
+    collective b runs beside it: max(b, a + b * slow / (1 + slow)) in place of max(a, b). fixed: of b, the
+    seconds nothing beside it hides (CPU ranks sharing cores: Collective.switching; 0 on GPUs)."""
     if not slow:
-        return a + b - eta * np.minimum(a, b)
+        hideable = b if np.ndim(fixed) == 0 and fixed == 0 else np.maximum(b - fixed, 0.0)  # GPUs: no extra pass
+        return a + b - eta * np.minimum(a, hideable)
     slowed = np.maximum(b, a + b * (slow / (1 + slow)))
     return slowed if eta == 1 else (1 - eta) * (a + b) + eta * slowed  # eta 1 (GPUs): no extra array pass
 
@@ -58,8 +65,8 @@ class GpuStreams:
         self.eta = profile.overlap
         self.slow = profile.physics.overlap_slowdown
 
-    def side_by_side(self, a, b):
-        return overlapped(a, b, self.eta, self.slow)
+    def side_by_side(self, a, b, fixed=0.0):
+        return overlapped(a, b, self.eta, self.slow, fixed)
 
     def retime(self, profile: MachineProfile, sched: Schedule) -> None:
         """Collectives keep the times the placement gave them."""
@@ -112,7 +119,9 @@ def switching_seconds(profile: MachineProfile, groups, c) -> np.ndarray | float:
     switch one in, whatever the others do. That is its time called back to back (the calibration's burst 0, every
     group busy at once: benchmarks/cpu_stage_collectives.py measured groups of 4 on 2 cores at 64-85% of it with
     the other ranks asleep, pairs at 0.3-0.8 ms). Smaller groups: 0 (all of it shrinks as their compute does).
-    What counts is a group's members on one node, whose cores they share."""
+    What counts is a group's members on one node, whose cores they share. It is also what compute beside the call
+    cannot hide (a Z all-gather or reduce-scatter in flight): the calibration's overlap part measures groups wider
+    than the cores hiding less (benchmarks/data/cpu_overlap_rows_2026-12-07.csv: median 0.17 against pairs' 0.26)."""
     if profile.shared_cores is None:
         return 0.0
     wide = comm.group_nodes(profile, groups.size[c.axis], groups.stride[c.axis])[0] > profile.shared_cores
@@ -142,7 +151,11 @@ def timed(w: Window, side_by_side, overlap: bool) -> Timed:
         return sum(np.maximum(c.seconds - c.overhead, 0.0) if overlap and c.overhead is not None else c.seconds
                    for c in calls)
 
-    return Timed(w.name, w.compute_s(), blocking, z_stream(w.gather), z_stream(w.scatter))
+    def switching(calls):  # 0.0 (no array pass) wherever no call has switching seconds (GPUs, narrow groups)
+        return sum(np.minimum(c.switching, c.seconds) for c in calls if np.any(c.switching))
+
+    return Timed(w.name, w.compute_s(), blocking, z_stream(w.gather), z_stream(w.scatter),
+                 switching(w.gather), switching(w.scatter))
 
 
 def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, record: list | None = None,
@@ -163,9 +176,10 @@ def run_windows(prefix, block, suffix, n_blocks: int, oag: bool, ors: bool, reco
     def _window_time(w: Timed, nxt: Timed | None):
         if oag:
             z = (nxt.ag if nxt is not None else 0.0) + (w.rs if ors else 0.0)
-            return side_by_side(w.compute + w.blocking + (0.0 if ors else w.rs), z)
+            zs = (nxt.ag_switching if nxt is not None else 0.0) + (w.rs_switching if ors else 0.0)
+            return side_by_side(w.compute + w.blocking + (0.0 if ors else w.rs), z, fixed=zs)
         if ors:
-            return w.ag + side_by_side(w.compute + w.blocking, w.rs)
+            return w.ag + side_by_side(w.compute + w.blocking, w.rs, fixed=w.rs_switching)
         return w.ag + w.compute + w.blocking + w.rs
 
     total = (prefix + block)[0].ag if oag else 0.0
