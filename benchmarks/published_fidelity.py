@@ -37,7 +37,11 @@ experiments) is printed as its own table: the schedule's block windows of one mi
 one alone (attention throughput by sequence length, NCCL's latency model, compute slowed under overlap), and
 with every run predicted with the bundled trainer's execution instead of its framework's.
 
+--by-grid DATASET groups a dataset's rows by tensor-parallel size, pipeline stages and micro-batch, with the
+time the model misses per micro-batch step and block of a stage: the scale of a per-block cost it lacks.
+
     python benchmarks/published_fidelity.py [--format table|json] [--excluded] [--worst N] [--ablate] [--rows DATASET]
+                                            [--by-grid DATASET]
 """
 from __future__ import annotations
 
@@ -504,6 +508,22 @@ def write_uncertainty(rows: list[dict], meta: dict) -> None:
     atomic_write_text(UNCERTAINTY_FILE, json.dumps(doc, indent=1) + "\n")
 
 
+def by_grid(rows: list[dict]) -> list:
+    """Rows grouped by (tensor-parallel size, pipeline stages, micro-batch), in that order."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["tp"], r["pp"], r["micro_batch"]), []).append(r)
+    return sorted(groups.items())
+
+
+def unexplained_per_block_step(r: dict) -> float:
+    """Measured minus predicted seconds over the micro-batch steps of a stage (the micro-batches each pipeline
+    runs, plus pp - 1 fill steps) times the blocks a stage holds: what a cost paid once per block and
+    micro-batch (a launch, a blocking call) that the model misses would be."""
+    steps = r["global_batch"] / (r["dp"] * r["micro_batch"]) + r["pp"] - 1
+    return (r["measured_s"] - r["predicted_s"]) / (steps * r["layers"] / r["pp"])
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -521,6 +541,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", metavar="DATASET", action="append", default=[],
                     help="also every row of DATASET (repeatable; 'all' for every dataset): grid, micro-batch, "
                          "measured and predicted seconds, their ratio")
+    ap.add_argument("--by-grid", metavar="DATASET", action="append", default=[],
+                    help="also DATASET's rows grouped by tensor-parallel size, pipeline stages and micro-batch "
+                         "(repeatable; 'all' for every dataset): median pred/meas and the unexplained time per "
+                         "micro-batch step and block of a stage")
     ap.add_argument("--write-uncertainty", action="store_true",
                     help=f"write the expected error per regime that rank and explain state ({UNCERTAINTY_FILE})")
     args = ap.parse_args(argv)
@@ -538,6 +562,7 @@ def main(argv=None) -> int:
                      "grid": "x".join(map(str, run.grid)) + (f" pp{run.pp}" if run.pp > 1 else "")
                      + (f"v{run.vpp}" if run.vpp else ""), "seq_len": run.seq_len, "global_batch": run.global_batch,
                      "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
+                     "tp": run.grid[1], "pp": run.pp, "dp": run.grid[3], "layers": run.model.n_layers,
                      "execution": run.execution.name, "measured_mem_gib": run.measured_mem_gib,
                      # what the model sees of a run: rows equal in it are the same configuration
                      "config": (run.model, run.grid, run.order, run.pp, run.vpp, run.schedule, run.micro_batch,
@@ -621,6 +646,13 @@ def main(argv=None) -> int:
             elif r.get("oom"):
                 print(f"  {r['label'][:60]:60} {r['grid']:>16} OOM in the source; the model: "
                       f"{'feasible' if r['feasible'] else 'infeasible'} at {r['memory_gib']:.1f} GiB")
+    for ds in [d for d in datasets if d in args.by_grid or "all" in args.by_grid]:
+        print(f"\n{ds} by grid (tp, pp, mb): rows, median pred/meas, median (measured - predicted) per micro-batch "
+              f"step and block of a stage, ms (steps: micro-batches per pipeline + pp - 1; blocks: layers / pp):")
+        for key, grp in by_grid([r for r in rows if r["dataset"] == ds and "ratio" in r]):
+            tp, pp, mb = key
+            print(f"  tp{tp:<3} pp{pp:<3} mb{mb:<3} {len(grp):4d} rows  {np.median([r['ratio'] for r in grp]):5.2f}"
+                  f"  {np.median([unexplained_per_block_step(r) for r in grp]) * 1e3:7.1f} ms")
     print("\none layer of Korthikanti et al.'s GPT-22B (Table 4, Selene A100, t = 8, micro-batch 4), ms, pred/meas:")
     for r in layers:
         print(f"  {r['experiment']:26} forward {r['forward_ms']:5.1f} {r['pred_forward_ms']:6.2f} "

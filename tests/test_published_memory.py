@@ -63,3 +63,21 @@ def test_bloom_leaves_out_the_swapped_and_zero_stage_0_rows_and_reads_the_single
     one = [r for r in runs if r.gpus == 8]
     assert len(one) == 3 and {r.global_batch for r in one} == {512}
     assert {r.group for r in one} == {"bloom-jeanzay:02-21 one node"}
+
+
+def test_unexplained_time_is_spread_over_the_micro_batch_steps_and_blocks_of_a_stage_by_hand(pf):
+    # 2048 sequences over dp 8 at micro-batch 4: 64 micro-batches, 64 + 6 - 1 = 69 steps; 72 layers / 6 = 12 blocks
+    r = {"global_batch": 2048, "dp": 8, "micro_batch": 4, "pp": 6, "layers": 72, "measured_s": 120.0,
+         "predicted_s": 111.72}
+    assert pf.unexplained_per_block_step(r) == pytest.approx(8.28 / (69 * 12))
+    # no pipeline: every micro-batch a step, every layer a block
+    flat = dict(r, pp=1, global_batch=64, dp=1, micro_batch=2, layers=10, measured_s=2.0, predicted_s=1.68)
+    assert pf.unexplained_per_block_step(flat) == pytest.approx(0.32 / (32 * 10))
+
+
+def test_rows_grouped_by_tensor_parallel_size_stages_and_micro_batch(pf):
+    rows = [{"tp": 8, "pp": 6, "micro_batch": 4, "i": 0}, {"tp": 4, "pp": 12, "micro_batch": 2, "i": 1},
+            {"tp": 8, "pp": 6, "micro_batch": 4, "i": 2}, {"tp": 4, "pp": 12, "micro_batch": 4, "i": 3}]
+    groups = pf.by_grid(rows)
+    assert [k for k, _ in groups] == [(4, 12, 2), (4, 12, 4), (8, 6, 4)]
+    assert [r["i"] for r in groups[2][1]] == [0, 2]
