@@ -152,6 +152,12 @@ LIBRARY = {"alps-gh200": "NCCL", "a3mega-h100": "NCCL", "h20-ndr": "NCCL", "p4dn
 # FI_CXI_RDZV_EAGER_SIZE=0: axonn-ai/sc2025-pccl-reproducer scripts/{perlmutter,frontier}/
 # run_raw_collectives_benchmark.sh @194759f, scripts/frontier/install_frontier.sh @540dd3e)
 SHARED_TRANSPORT = {"Slingshot-11"}
+# single-node sweeps (nodes = 1): machine -> (bundled profile whose network.protocols.inside_node they test, compute
+# capability of NCCL's single-node rows, the board); the profile's inside_node.latency_scale is their fit
+NODE_MACHINES = {
+    "a100-sxm4-node": ("dgx-a100", 80, "one 8-GPU A100-SXM4 board (HGX/DGX, NVSwitch)"),
+    "h200-node": ("dgx-h200", 90, "one 8-GPU HGX H200 board (NVLink4 NVSwitch, NVLink SHARP)"),
+}
 # rows of this many bytes and more are bandwidth-bound on every judged curve: the plateau is fitted on them
 PLATEAU_BYTES = 2**28
 LO, HI = 2**20, 2**32
@@ -295,6 +301,76 @@ def fit_latency(rows: list[dict], share: float = RING_EFFICIENCY) -> float:
     return round(float(np.exp(res.x)), 4)
 
 
+def node_rows(rows: list[dict]) -> list[dict]:
+    """The single-node sweeps' rows from 1 MiB to 4 GiB."""
+    return [r for r in rows if int(r["nodes"]) == 1 and r["machine"] in NODE_MACHINES and LO <= float(r["bytes"]) <= HI]
+
+
+def predict_node(r: dict, model: str, latency_scale: float = 1.0) -> float:
+    """Seconds per call of a single-node row: 'before' the alpha-beta line the profiles used inside a node (NCCL's
+    latency sum plus the ring volume over the group's plateau), 'protocols' NCCL's single-node rows
+    (gpu_physics.nccl_node_protocols) x latency_scale over the profile's plateau."""
+    name, cap, _ = NODE_MACHINES[r["machine"]]
+    gpn = int(r["gpus_per_node"])
+    prof = load_profile(name).replace(gpus_per_node=gpn)
+    kind, nb, p = r["collective"], float(r["bytes"]), np.array([gpn])
+    bw = prof.group_busbw(p, np.array([1]))
+    if model == "before":
+        return float(C.ring_time(prof, kind, nb, p, bw, prof.group_latency(p, np.array([1])), True, 1)[0])
+    node = _node_protocols(cap)
+    pr = dataclasses.replace(prof.physics.protocols, inside_node=dataclasses.replace(node, latency_scale=latency_scale))
+    return float(C.node_protocol_time(pr, kind, nb, gpn, bw[0] * prof.coll_bw_scale[kind]))
+
+
+@functools.lru_cache(maxsize=None)
+def _node_protocols(cap: int) -> gpu_physics.NodeProtocols:
+    d = {"network": {"protocols": dict(gpu_physics.nccl_protocols(cap, "intel"), inside_node=gpu_physics.nccl_node_protocols(cap))}}
+    return gpu_physics.parse(d, _Reader("NCCL's single-node defaults")).protocols.inside_node
+
+
+def fit_node_latency(rows: list[dict]) -> float:
+    """network.protocols.inside_node.latency_scale minimising the squared log error of NCCL's single-node rows
+    over single-node rows (as fit_latency across nodes)."""
+    from scipy.optimize import minimize_scalar
+
+    meas = np.array([float(r["time_us"]) * 1e-6 for r in rows])
+
+    def loss(x):
+        s = float(np.exp(x))
+        return float(np.mean(np.log(np.array([predict_node(r, "protocols", s) for r in rows]) / meas) ** 2))
+
+    res = minimize_scalar(loss, bounds=(np.log(0.2), np.log(30.0)), method="bounded", options={"xatol": 1e-3})
+    return round(float(np.exp(res.x)), 4)
+
+
+def node_errors(rows: list[dict], model: str, scale: float = 1.0) -> np.ndarray:
+    return np.array([abs(predict_node(r, model, scale) / (float(r["time_us"]) * 1e-6) - 1) for r in rows])
+
+
+def print_nodes(rows: list[dict]) -> None:
+    """Inside one node: each single-node sweep against the alpha-beta line ('before'), NCCL's single-node rows at
+    its own latency ('nccl'), at the other sweeps' fitted scale ('lomo') and at the sweep's own ('own', the
+    profile's inside_node.latency_scale)."""
+    nr = node_rows(rows)
+    machines = sorted({r["machine"] for r in nr})
+    if not machines:
+        return
+    own = {m: fit_node_latency([r for r in nr if r["machine"] == m]) for m in machines}
+    print("\ninside one node (published single-node sweeps, 1 MiB-4 GiB; error = |pred/meas - 1|, mean over rows, median "
+          "in brackets):")
+    print(f"{'machine':17s} {'profile':9s} {'collective':14s} {'rows':>4s} {'before':>10s} {'nccl':>10s} {'lomo':>10s} "
+          f"{'own':>10s}  latency_scale: lomo | own")
+    for m in machines:
+        others = [r for r in nr if r["machine"] != m]
+        lomo = fit_node_latency(others) if others else 1.0
+        for kind in sorted({r["collective"] for r in nr if r["machine"] == m}):
+            kr = [r for r in nr if r["machine"] == m and r["collective"] == kind]
+            es = [node_errors(kr, mod, sc) for mod, sc in (("before", 1.0), ("protocols", 1.0), ("protocols", lomo),
+                                                           ("protocols", own[m]))]
+            print(f"{m:17s} {NODE_MACHINES[m][0]:9s} {kind:14s} {len(kr):4d} "
+                  + " ".join(f"{e.mean():4.0%} ({np.median(e):3.0%})" for e in es) + f"  {lomo:.2f} | {own[m]:.2f}")
+
+
 def errors(rows: list[dict], model: str, scale: float = 1.0, share: float = RING_EFFICIENCY) -> np.ndarray:
     """|pred/meas - 1| per row."""
     return np.array([abs(predict(r, model, scale, share) / (float(r["time_us"]) * 1e-6) - 1) for r in rows])
@@ -348,6 +424,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fit-latency", metavar="MACHINE|NETWORK",
                     help="fit network.protocols.latency_scale to one machine, or jointly to every NCCL machine on one "
                          "network (e.g. 'InfiniBand NDR')")
+    ap.add_argument("--fit-node-latency", metavar="MACHINE",
+                    help="fit network.protocols.inside_node.latency_scale to one single-node sweep "
+                         f"({', '.join(sorted(NODE_MACHINES))})")
     ap.add_argument("--share", type=float, default=RING_EFFICIENCY, metavar="S",
                     help=f"with --fit-latency: the plateau as this share of the NICs' line rate (default {RING_EFFICIENCY})")
     ap.add_argument("--steady", action="store_true",
@@ -360,7 +439,20 @@ def main(argv=None) -> int:
     if args.scale:
         print_scale(load_rows())
         return 0
-    rows = judged(load_rows())
+    if args.fit_node_latency:
+        mine = [r for r in node_rows(load_rows()) if r["machine"] == args.fit_node_latency]
+        if not mine:
+            print(f"error: no single-node rows for machine {args.fit_node_latency!r} (machines: "
+                  f"{', '.join(sorted(NODE_MACHINES))})", file=sys.stderr)
+            return 2
+        s = fit_node_latency(mine)
+        print(f"{args.fit_node_latency}: inside_node.latency_scale {s:.3f} (mean error "
+              f"{node_errors(mine, 'protocols', s).mean():.0%} over its {len(mine)} rows; NCCL's own latency: "
+              f"{node_errors(mine, 'protocols', 1.0).mean():.0%}; the alpha-beta line: "
+              f"{node_errors(mine, 'before').mean():.0%})")
+        return 0
+    every = load_rows()
+    rows = judged(every)
     if args.steady:
         out = stalls(rows)
         print(f"left out as stalls (slower than {STALL} x a larger message's call on the same curve): {len(out)} "
@@ -425,6 +517,7 @@ def main(argv=None) -> int:
         medians.append([np.median(errors(mr, *mod)) for mod in models(m)])
     print(f"{'mean over machines':17s} {'':16s} {'':14s} {'':6s} {'':4s} "
           + " ".join(f"{x:4.0%} ({y:3.0%})" for x, y in zip(np.mean(per_machine, axis=0), np.mean(medians, axis=0))))
+    print_nodes(every)
     return 0
 
 

@@ -263,11 +263,14 @@ def test_latency_scale_multiplies_every_latency_and_no_bandwidth():
 
 def test_every_published_sweep_row_names_a_described_machine():
     """benchmarks/collective_fidelity.py: each row of the sweeps in benchmarks/data has its machine's NIC
-    figure, network and library (else the benchmark could not predict it), and each file carries its
-    source."""
+    figure, network and library (else the benchmark could not predict it), or is a single-node sweep of a
+    described board, and each file carries its source."""
     cf = _collective_fidelity()
     rows = cf.load_rows()
-    assert {r["machine"] for r in rows} <= set(cf.MACHINES) == set(cf.NETWORK) == set(cf.LIBRARY)
+    across = {r["machine"] for r in rows if r["machine"] not in cf.NODE_MACHINES}
+    assert across <= set(cf.MACHINES) == set(cf.NETWORK) == set(cf.LIBRARY)
+    assert all(int(r["nodes"]) == 1 for r in rows if r["machine"] in cf.NODE_MACHINES)
+    assert len(cf.node_rows(rows)) >= 20
     assert len(cf.judged(rows)) > 150
     for f in {r["file"] for r in rows}:
         assert (cf.DATA / f).read_text().startswith("# ")
@@ -488,3 +491,68 @@ def test_explain_transfers_add_up_where_only_some_boundaries_cross(vpp):
     assert colls["total_s"].sum() == pytest.approx(float(e.summary.iloc[0].comm_s), rel=1e-9)
     row = colls[colls["collective"] == "send/recv"].iloc[0]
     assert float(np.ravel(sched.p2p_near)[0]) <= row["time_per_call_s"] <= float(np.ravel(sched.p2p_far)[0])
+
+
+# the same profile with groups inside a node by NCCL's single-node rows (test numbers, worked by hand below)
+INSIDE = {"source": "test", "latency_scale": 2.0, "ll_max_busbw_gbs": 40,
+          "ring": [{"protocol": "LL", "base_us": 6.6, "intra_us": 0.6, "bw_factor": 0.5},
+                   {"protocol": "Simple", "base_us": 8.4, "intra_us": 3.4, "bw_factor": 1.0}]}
+
+
+def test_inside_one_node_ncccls_fastest_single_node_row_by_hand():
+    """An all-reduce over 4 GPUs of one node at a 100 GB/s plateau, latencies x 2: LL costs (6.6 + 6 x 0.6) x 2 =
+    20.4 us plus 2 x 3/4 of the buffer over min(50, 40) GB/s; Simple (8.4 + 6 x 3.4) x 2 = 57.6 us plus it over
+    100 GB/s. 8 kB takes LL (20.7 us), 8 MB Simple (177.6 us); an all-gather has 3 steps and 3/4 of the buffer."""
+    p = prof(dict(PROTOCOLS, inside_node=INSIDE))
+    t = C.node_protocol_time(p.physics.protocols, "all_reduce", np.array([8e3, 8e6]), 4, 100e9)
+    assert t == pytest.approx([(20.4 + 12e3 / 40e9 / US) * US, (57.6 + 12e6 / 100e9 / US) * US])
+    ag = C.node_protocol_time(p.physics.protocols, "all_gather", 8e6, 4, 100e9)
+    assert ag == pytest.approx((2 * (8.4 + 3 * 3.4) + 6e6 / 100e9 / US) * US)
+
+
+def test_place_uses_the_single_node_rows_only_inside_a_node():
+    """With inside_node, X of 4 inside a node takes node_protocol_seconds on its intra-node plateau; X of 8
+    across 2 nodes keeps the cross-node protocol model; without inside_node X of 4 keeps the alpha-beta line."""
+    p, plain = prof(dict(PROTOCOLS, inside_node=INSIDE)), prof()
+
+    def one(q, gx, gd, nbytes):
+        c = Candidates(*(np.array([v]) for v in (gx, 1, 1, gd, 0, 1)), np.array([False]))
+        return float(C._coll(q, C.place(q, c), "t", "fwd", "all_gather", "x", nbytes).seconds[0])
+
+    bw = p.group_busbw(np.array([4]), np.array([1]))[0]
+    assert one(p, 4, 2, 8e6) == pytest.approx(float(C.node_protocol_seconds(p, "all_gather", 8e6, 4, bw)))
+    assert one(p, 4, 2, 8e6) != pytest.approx(one(plain, 4, 2, 8e6))
+    assert one(p, 8, 1, 8e6) == pytest.approx(one(plain, 8, 1, 8e6))
+
+
+def test_single_node_protocol_fields_are_checked():
+    with pytest.raises(UserError, match="inside_node.rings"):
+        prof(dict(PROTOCOLS, inside_node=dict(INSIDE, rings=[])))
+    with pytest.raises(UserError, match=r"inside_node.ring\[0\].protocol"):
+        prof(dict(PROTOCOLS, inside_node=dict(INSIDE, ring=[dict(INSIDE["ring"][0], protocol="LL64")])))
+    with pytest.raises(UserError, match="inside_node"):
+        prof(dict(PROTOCOLS, inside_node=[1]))
+
+
+def test_bundled_dgx_single_node_rows_are_nccls_and_their_scale_the_published_sweeps_fit():
+    """dgx-h100 and -h200 carry gpu_physics.nccl_node_protocols for Hopper and an inside_node.latency_scale that
+    is `collective_fidelity.py --fit-node-latency h200-node` to two decimals (the H100 board takes the H200
+    node's: same NVLink4 NVSwitch); dgx-a100 carries none, and its comment's 3.46 is the A100 sweep's fit."""
+    from axoplan.planner import gpu_physics
+    from axoplan.planner.machine import _Reader
+
+    cf = _collective_fidelity()
+    rows = cf.node_rows(cf.load_rows())
+    fit = {m: round(cf.fit_node_latency([r for r in rows if r["machine"] == m]), 2) for m in cf.NODE_MACHINES}
+    for name in ("dgx-h100", "dgx-h200"):
+        d = dict(gpu_physics.nccl_protocols(90, "intel"), inside_node=gpu_physics.nccl_node_protocols(90))
+        want = gpu_physics.parse({"network": {"protocols": d}}, _Reader("t")).protocols.inside_node
+        got = load_profile(name).physics.protocols.inside_node
+        assert got.ring == want.ring and got.tree == want.tree and got.ll_max == want.ll_max
+        assert got.latency_scale == fit["h200-node"], name
+    assert load_profile("dgx-a100").physics.protocols.inside_node is None
+    assert fit["a100-sxm4-node"] == 3.46
+    # both sweeps favour the single-node rows at their own scale over the alpha-beta line
+    for m in cf.NODE_MACHINES:
+        mine = [r for r in rows if r["machine"] == m]
+        assert cf.node_errors(mine, "protocols", fit[m]).mean() < cf.node_errors(mine, "before").mean()

@@ -139,6 +139,16 @@ def protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, per_node, no
     return np.where(np.asarray(p) > 1, t + call_overhead(corr, p), 0.0)
 
 
+def node_protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, busbw) -> np.ndarray:
+    """Seconds of one collective inside one node on a profile with network.protocols.inside_node
+    (node_protocol_time with the profile's per-collective scales and corrections)."""
+    corr = profile.corrections
+    t = node_protocol_time(profile.physics.protocols, kind, nbytes, p,
+                           np.asarray(busbw, dtype=np.float64) * profile.coll_bw_scale[kind],
+                           corr.latency_scale * profile.coll_lat_scale[kind])
+    return np.where(np.asarray(p) > 1, t + call_overhead(corr, p), 0.0)
+
+
 def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nodes, busbw,
                   lat_scale: float = 1.0) -> np.ndarray:
     """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc) of one collective across nodes: each ring
@@ -206,6 +216,36 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * net_of(pro, pro.net)
             t = lat * lat_scale + nb * 2.0 * (p - 1) / (p * bus_nv * corr)
             best = np.where((members >= 2) & (n > 1), np.minimum(best, t), best)
+    return best
+
+
+def node_protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, busbw, lat_scale: float = 1.0) -> np.ndarray:
+    """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc, nNodes == 1) of one collective whose group sits
+    inside one node (pr.inside_node's rows): each ring protocol base + steps x its NVLink step latency plus the
+    ring volume over min(bw_factor x the group's plateau busbw, channels x per_channel), LL also under the
+    single-node ll_max; an all-reduce may take the tree, a chain through the node: base + 2 (p - 1) x step
+    latency plus the buffer over half its bus bandwidth, slowed by NCCL's tree correction at medium sizes.
+    NCCL runs the fastest. Every latency x inside_node.latency_scale x lat_scale."""
+    node = pr.inside_node
+    nb = np.asarray(nbytes, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    bw = np.asarray(busbw, dtype=np.float64)
+    steps = ring_steps(kind, p)
+    scale = lat_scale * node.latency_scale
+
+    def bus(pro):
+        b = np.minimum(pro.bw_factor * bw, pr.channels * pro.per_channel[0])
+        return np.minimum(b, node.ll_max) if pro.name == "LL" else b
+
+    best = np.inf
+    for pro in node.ring:
+        best = np.minimum(best, (pro.base + steps * pro.intra) * scale + ring_volume(kind, p, nb) / bus(pro))
+    if kind == "all_reduce":
+        log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
+        for pro in node.tree:
+            table = np.array(gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
+            corr = table[np.clip(log_size, 0, len(table) - 1)]
+            best = np.minimum(best, (pro.base + 2.0 * (p - 1) * pro.intra) * scale + nb / (0.5 * bus(pro) * corr))
     return best
 
 
@@ -419,10 +459,14 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
     if g.nodes is not None:
-        # across nodes NCCL's protocol model replaces the one alpha-beta line
+        # across nodes NCCL's protocol model replaces the one alpha-beta line; inside one node too where the
+        # profile gives NCCL's single-node rows
         m, n = g.nodes[axis]
         if np.any(n > 1):
             t = np.where(n > 1, protocol_seconds(profile, kind, nbytes, g.size[axis], m, n, g.busbw[axis]), t)
+        if profile.physics.protocols.inside_node is not None and np.any((n <= 1) & (g.size[axis] > 1)):
+            t = np.where((n <= 1) & (g.size[axis] > 1),
+                         node_protocol_seconds(profile, kind, nbytes, g.size[axis], g.busbw[axis]), t)
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
         pairs, inv = g.shapes[axis]

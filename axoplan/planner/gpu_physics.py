@@ -15,7 +15,9 @@ LATENCY_MODELS = ("per_step", "nccl")
 GB = 1e9
 # the keys of network.protocols (issue 24), declared here once: the loader checks them and the schema names them
 PROTOCOL_KEYS = {"source", "ring", "tree", "nvls_tree", "ring_plateau", "ll_max_busbw_gbs", "channels",
-                 "two_node_tree_factor", "latency_scale", "net_latency_us"}
+                 "two_node_tree_factor", "latency_scale", "net_latency_us", "inside_node"}
+# network.protocols.inside_node: the same model for a group inside one node (NCCL's nNodes == 1)
+NODE_PROTOCOL_KEYS = {"source", "ring", "tree", "ll_max_busbw_gbs", "latency_scale"}
 PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "size_correction",
                      "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
@@ -66,6 +68,22 @@ class Protocols:
     # the latency a network plugin reports to NCCL (s): NCCL adds it to every network step, twice for Simple
     # (its flush); NCCL's own InfiniBand and socket transports report 0
     net_latency: float = 0.0
+    # groups inside one node by NCCL's single-node model too; None: the profile's alpha-beta line there
+    inside_node: NodeProtocols | None = None
+
+
+@dataclass(frozen=True)
+class NodeProtocols:
+    """NCCL's protocol model of a collective whose group sits inside one node (tuning.cc with nNodes == 1):
+    every step over NVLink at NCCL's hwLat[NVLINK] (no network overhead raises it, no ring plateau), the
+    tree a chain through the node's GPUs; the fastest (algorithm, protocol) pair, as across nodes. A
+    protocol's bus bandwidth is min(bw_factor x the group's plateau, channels x per_channel)."""
+
+    ring: tuple  # Protocol per protocol (net unused)
+    tree: tuple = ()
+    ll_max: float = float("inf")  # LL bus bandwidth cap (bytes/s) in one node (NCCL's llMaxBws, N1 column)
+    # measured time over NCCL's modelled latency inside this node (a published single-node sweep)
+    latency_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,20 +147,28 @@ def parse(d: dict, rd) -> GpuPhysics:
     return GpuPhysics(rates, model, base, slow, _protocols(net, rd) if isinstance(net, dict) else None)
 
 
+def _mapping(parent: dict, key: str, where: str, known: set, what: str, rd) -> dict | None:
+    """parent[key] checked as a mapping of `known` keys (None where absent)."""
+    d = parent.get(key)
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        rd.fail(where, f"must be a mapping of {what} fields {{source, ring: [...], tree: [...], ...}}")
+    bad = sorted(str(k) for k in set(d) - known)
+    if bad:
+        rd.fail(f"{where}.{bad[0]}", f"is not a {what} field (known: {', '.join(sorted(known))})")
+    return d
+
+
 def _protocols(net: dict, rd) -> Protocols | None:
     """network.protocols: {source, channels, ring_plateau, ll_max_busbw_gbs: [2 nodes, more], ring: [rows],
     tree: [rows]}, each row {protocol, base_us, intra_us, net_us, bw_factor, per_channel_gbs}."""
-    d = net.get("protocols")
+    where = "network.protocols"
+    d = _mapping(net, "protocols", where, PROTOCOL_KEYS, "protocol-model", rd)
     if d is None:
         return None
-    where = "network.protocols"
-    if not isinstance(d, dict):
-        rd.fail(where, "must be a mapping {source, channels, ring: [...], tree: [...], ...}")
-    bad = sorted(str(k) for k in set(d) - PROTOCOL_KEYS)
-    if bad:
-        rd.fail(f"{where}.{bad[0]}", f"is not a protocol-model field (known: {', '.join(sorted(PROTOCOL_KEYS))})")
 
-    def rows(key):
+    def rows(key, d=d, where=where, network=True):
         rs = d.get(key) or []
         if not isinstance(rs, list) or (key == "ring" and not rs):
             rd.fail(f"{where}.{key}", "must be a non-empty list of {protocol, base_us, intra_us, net_us, bw_factor}")
@@ -173,8 +199,10 @@ def _protocols(net: dict, rd) -> Protocols | None:
             sc = tuple(rd.num({"v": v}, "v", f"{p}.size_correction") for v in sc)
             if any(v > 1 for v in sc):
                 rd.fail(f"{p}.size_correction", "must hold factors of at most 1")
-            out.append(Protocol(name, *(rd.num(r, k, p, allow_zero=True) * US for k in ("base_us", "intra_us", "net_us")),
-                                f, pc, sc))
+            # inside one node no step crosses the network: a row needs no net_us there
+            net_us = rd.num(r, "net_us", p, allow_zero=True, default=None if network else 0.0)
+            out.append(Protocol(name, *(rd.num(r, k, p, allow_zero=True) * US for k in ("base_us", "intra_us")),
+                                net_us * US, f, pc, sc))
         return tuple(out)
 
     ll = d.get("ll_max_busbw_gbs")
@@ -194,7 +222,18 @@ def _protocols(net: dict, rd) -> Protocols | None:
         rd.fail(f"{where}.nvls_tree", "must be one Simple row (NCCL runs NVLSTree with the Simple protocol only)")
     return Protocols(rows("ring"), rows("tree"), plateau, ll_max, int(ch), two,
                      rd.num(d, "latency_scale", where, default=1.0), nvls,
-                     rd.num(d, "net_latency_us", where, default=0.0, allow_zero=True) * US)
+                     rd.num(d, "net_latency_us", where, default=0.0, allow_zero=True) * US, _node_protocols(d, rd, rows))
+
+
+def _node_protocols(d: dict, rd, rows) -> NodeProtocols | None:
+    """network.protocols.inside_node: {source, latency_scale, ll_max_busbw_gbs, ring: [rows], tree: [rows]}."""
+    where = "network.protocols.inside_node"
+    n = _mapping(d, "inside_node", where, NODE_PROTOCOL_KEYS, "single-node protocol", rd)
+    if n is None:
+        return None
+    return NodeProtocols(rows("ring", n, where, False), rows("tree", n, where, False),
+                         rd.num(n, "ll_max_busbw_gbs", where, default=float("inf")) * GB,
+                         rd.num(n, "latency_scale", where, default=1.0))
 
 
 NCCL_TUNING_SOURCE = "NVIDIA/nccl src/graph/tuning.cc @5067397 (ncclTunerConstantsDefaults, ncclTopoTuneModel, ncclTopoGetAlgoTime)"
@@ -296,6 +335,52 @@ def nccl_protocols(capability: int, cpu_vendor: str, nic_path: str = "PXB", nvls
     if nvls:
         d["nvls_tree"] = [nvls_tree_row()]
     return d
+
+
+def nccl_node_protocols(capability: int) -> dict:
+    """network.protocols.inside_node as NCCL's defaults give it for a group inside one node of GPUs of compute
+    capability `capability` (80 Ampere, 90 Hopper), every number with its source; without its latency_scale,
+    which a measurement gives. NCCL's nNodes == 1 rows: each step over NVLink at hwLat[NVLINK] (no network
+    overhead raises it), no ring plateau, llMaxBws' N1 column; its tree a chain through the node: 2 (ranks - 1)
+    steps, every tree protocol's bus bandwidth 0.92 x under channels x perChMaxTreeBws (N1), LL128's 7/9 x
+    for one node. Not written here: NCCL's 0.85 for a tree whose search found a true tree pattern."""
+    if not 80 <= capability < 100:
+        raise ValueError(f"NCCL's single-node constants are written here for Ampere and Hopper (compute capability "
+                         f"80 or 90), not {capability}")
+    src = NCCL_TUNING_SOURCE
+    hopper = capability >= 90
+    gen = "Hopper" if hopper else "Ampere"
+    ll_max = 141.0 if hopper else 87.7  # llMaxBws, N1 column
+    ring_ll128 = 36.7 if hopper else 20.0  # perChMaxRingLL128Bws N1
+    tree_simple = 38.7 if hopper else 24.0  # perChMaxTreeBws N1
+    tree_ll128 = min(36.7 if hopper else 20.0, tree_simple)  # perChMaxTreeLL128Bws N1, under perChMaxTreeBws
+    return {
+        "source": (f"{src} with nNodes == 1: hw = NCCL_HW_NVLINK for every step; the ring all-reduce's 1.4x "
+                   f"'plateau effect' only where nNodes > 1 (ncclTopoGetAlgoTime); {gen} GPUs (compute capability "
+                   f"{capability}): llMaxBws N1 {ll_max:g} GB/s"),
+        "ll_max_busbw_gbs": ll_max,
+        "ring": [
+            {"protocol": "LL", "base_us": 6.6, "intra_us": 0.6, "bw_factor": 0.5,
+             "source": f"{src}: baseLat[Ring][LL] 6.6, hwLat[NVLINK][Ring][LL] 0.6; busBw = min(llMaxBw, 0.5 x busBw)"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": 1.9, "bw_factor": 0.92, "per_channel_gbs": ring_ll128,
+             "source": f"{src}: baseLat[Ring][LL128] 14.0, hwLat[NVLINK][Ring][LL128] 1.9; busBw = min(0.92 x busBw, "
+                       f"nChannels x perChMaxRingLL128Bws[{gen}] N1 {ring_ll128:g})"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": 3.4, "bw_factor": 1.0,
+             "source": f"{src}: baseLat[Ring][Simple] 8.4, hwLat[NVLINK][Ring][Simple] 3.4; bandwidth: the group's "
+                       "plateau (network.intra_node.groups)"},
+        ],
+        "tree": [
+            {"protocol": "LL", "base_us": 6.8, "intra_us": 0.6, "bw_factor": 0.2421,
+             "source": f"{src}: baseLat[Tree][LL] 6.8, hwLat[NVLINK][Tree][LL] 0.6; busBw = 0.92 / 3.8 = 0.2421 x, "
+                       "under llMaxBw"},
+            {"protocol": "LL128", "base_us": 14.0, "intra_us": 1.25, "bw_factor": 0.7156, "per_channel_gbs": tree_ll128,
+             "source": f"{src}: baseLat[Tree][LL128] 14.0, hwLat[NVLINK][Tree][LL128] 1.25; busBw = 0.92 x 7/9 (nNodes "
+                       f"== 1) = 0.7156 x, under nChannels x perChMaxTreeLL128Bws[{gen}] N1 {tree_ll128:g}"},
+            {"protocol": "Simple", "base_us": 8.4, "intra_us": 4.0, "bw_factor": 0.92, "per_channel_gbs": tree_simple,
+             "source": f"{src}: baseLat[Tree][Simple] 8.4, hwLat[NVLINK][Tree][Simple] 4.0; busBw = min(0.92 x busBw, "
+                       f"nChannels x perChMaxTreeBws[{gen}] N1 {tree_simple:g})"},
+        ],
+    }
 
 
 def nvls_tree_row() -> dict:
