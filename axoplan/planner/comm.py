@@ -455,6 +455,17 @@ def collective_seconds(profile, g: Groups, c: Collective, burst) -> np.ndarray:
     return _coll(profile, g, c.layer, c.phase, c.kind, c.axis, c.nbytes, burst).seconds
 
 
+def _replace_where(mask, t, fn, *args) -> np.ndarray:
+    """t with fn(*args) where mask holds, fn evaluated on those candidates alone (args broadcast against t)."""
+    if not np.any(mask):
+        return t
+    shape = np.broadcast_shapes(np.shape(t), np.shape(mask), *(np.shape(a) for a in args))
+    out = np.array(np.broadcast_to(t, shape), dtype=np.float64)
+    sel = np.broadcast_to(mask, shape)
+    out[sel] = fn(*(np.broadcast_to(a, shape)[sel] for a in args))
+    return out
+
+
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
@@ -462,11 +473,12 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
         # across nodes NCCL's protocol model replaces the one alpha-beta line; inside one node too where the
         # profile gives NCCL's single-node rows
         m, n = g.nodes[axis]
-        if np.any(n > 1):
-            t = np.where(n > 1, protocol_seconds(profile, kind, nbytes, g.size[axis], m, n, g.busbw[axis]), t)
-        if profile.physics.protocols.inside_node is not None and np.any((n <= 1) & (g.size[axis] > 1)):
-            t = np.where((n <= 1) & (g.size[axis] > 1),
-                         node_protocol_seconds(profile, kind, nbytes, g.size[axis], g.busbw[axis]), t)
+        p = g.size[axis]
+        t = _replace_where(n > 1, t, lambda nb, p, m, n, bw: protocol_seconds(profile, kind, nb, p, m, n, bw),
+                           nbytes, p, m, n, g.busbw[axis])
+        if profile.physics.protocols.inside_node is not None:
+            t = _replace_where((n <= 1) & (p > 1), t, lambda nb, p, bw: node_protocol_seconds(profile, kind, nb, p, bw),
+                               nbytes, p, g.busbw[axis])
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
         pairs, inv = g.shapes[axis]
