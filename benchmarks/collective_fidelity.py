@@ -310,22 +310,27 @@ def predict_node(r: dict, model: str, latency_scale: float = 1.0) -> float:
     """Seconds per call of a single-node row: 'before' the alpha-beta line the profiles used inside a node (NCCL's
     latency sum plus the ring volume over the group's plateau), 'protocols' NCCL's single-node rows
     (gpu_physics.nccl_node_protocols) x latency_scale over the profile's plateau."""
-    name, cap, _ = NODE_MACHINES[r["machine"]]
     gpn = int(r["gpus_per_node"])
-    prof = load_profile(name).replace(gpus_per_node=gpn)
+    prof = _node_profile(r["machine"], gpn, model, latency_scale)
     kind, nb, p = r["collective"], float(r["bytes"]), np.array([gpn])
     bw = prof.group_busbw(p, np.array([1]))
     if model == "before":
         return float(C.ring_time(prof, kind, nb, p, bw, prof.group_latency(p, np.array([1])), True, 1)[0])
-    node = _node_protocols(cap)
-    pr = dataclasses.replace(prof.physics.protocols, inside_node=dataclasses.replace(node, latency_scale=latency_scale))
-    return float(C.node_protocol_time(pr, kind, nb, gpn, bw[0] * prof.coll_bw_scale[kind]))
+    return float(C.node_protocol_seconds(prof, kind, nb, gpn, bw[0]))
 
 
 @functools.lru_cache(maxsize=None)
-def _node_protocols(cap: int) -> gpu_physics.NodeProtocols:
-    d = {"network": {"protocols": dict(gpu_physics.nccl_protocols(cap, "intel"), inside_node=gpu_physics.nccl_node_protocols(cap))}}
-    return gpu_physics.parse(d, _Reader("NCCL's single-node defaults")).protocols.inside_node
+def _node_profile(machine: str, gpus_per_node: int, model: str, latency_scale: float):
+    """The sweep's bundled profile: as it is ('before'), or with NCCL's single-node rows x latency_scale."""
+    name, cap, _ = NODE_MACHINES[machine]
+    prof = load_profile(name).replace(gpus_per_node=gpus_per_node)
+    if model == "before":
+        return prof
+    d = {"network": {"protocols": dict(gpu_physics.nccl_protocols(cap, "intel"),
+                                       inside_node=gpu_physics.nccl_node_protocols(cap))}}
+    node = gpu_physics.parse(d, _Reader("NCCL's single-node defaults")).protocols.inside_node
+    pr = dataclasses.replace(prof.physics.protocols, inside_node=dataclasses.replace(node, latency_scale=latency_scale))
+    return prof.replace(physics=dataclasses.replace(prof.physics, protocols=pr))
 
 
 def fit_node_latency(rows: list[dict]) -> float:

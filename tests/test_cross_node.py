@@ -508,6 +508,11 @@ def test_inside_one_node_ncccls_fastest_single_node_row_by_hand():
     assert t == pytest.approx([(20.4 + 12e3 / 40e9 / US) * US, (57.6 + 12e6 / 100e9 / US) * US])
     ag = C.node_protocol_time(p.physics.protocols, "all_gather", 8e6, 4, 100e9)
     assert ag == pytest.approx((2 * (8.4 + 3 * 3.4) + 6e6 / 100e9 / US) * US)
+    # a row's size_correction applies as across nodes: Simple at half its bandwidth from 64 B x 2^2 = 256 B on
+    sc = dict(INSIDE, ring=[INSIDE["ring"][0], dict(INSIDE["ring"][1], size_correction=[1.0, 1.0, 0.5])])
+    q = prof(dict(PROTOCOLS, inside_node=sc))
+    assert C.node_protocol_time(q.physics.protocols, "all_reduce", 8e6, 4, 100e9) == pytest.approx(
+        (57.6 + 12e6 / 50e9 / US) * US)
 
 
 def test_place_uses_the_single_node_rows_only_inside_a_node():

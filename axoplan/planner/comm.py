@@ -149,6 +149,23 @@ def node_protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, busbw) 
     return np.where(np.asarray(p) > 1, t + call_overhead(corr, p), 0.0)
 
 
+def _log_size(nbytes) -> np.ndarray:
+    """NCCL's logSize of a buffer, log2(bytes / 64) floored: the index of its per-size factor tables."""
+    return np.floor(np.log2(np.maximum(nbytes, 64.0) / 64.0)).astype(np.int64)
+
+
+def _by_size(table, log_size) -> np.ndarray:
+    """A per-size factor table at log_size (its first entry below, its last beyond)."""
+    t = np.asarray(table, dtype=np.float64)
+    return t[np.clip(log_size, 0, len(t) - 1)]
+
+
+def _tree_factor(pro: gpu_physics.Protocol, name: str, log_size) -> np.ndarray:
+    """A tree row's bandwidth factor by size: the row's own correction (RCCL's) where it has one, else NCCL's
+    tree correction table for protocol `name`, 1 beyond it."""
+    return _by_size(pro.size_correction or gpu_physics.TREE_CORRECTION[name] + (1.0,), log_size)
+
+
 def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nodes, busbw,
                   lat_scale: float = 1.0) -> np.ndarray:
     """NCCL's protocol model (NVIDIA/nccl src/graph/tuning.cc) of one collective across nodes: each ring
@@ -187,7 +204,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
 
     tree_net = {pro.name: pro.net for pro in pr.tree}
     one = np.asarray(per_node, dtype=np.float64) <= 1
-    log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
+    log_size = _log_size(nb)
     best = np.inf
     for pro in pr.ring:
         net = net_of(pro, np.where(one, tree_net.get(pro.name, pro.net), pro.net))
@@ -196,14 +213,13 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             lat = lat * pr.ring_plateau
         b = bus(pro, bw)
         if pro.size_correction:
-            b = b * np.array(pro.size_correction)[np.clip(log_size, 0, len(pro.size_correction) - 1)]
+            b = b * _by_size(pro.size_correction, log_size)
         best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / b)
     if ar:
         lg = np.floor(np.log2(n))  # NCCL's log2i(nNodes), as its logSize: floor
         tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
-        for pro in pr.tree:  # the row's own correction (RCCL's) where it has one, else NCCL's table
-            table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
-            corr = table[np.clip(log_size, 0, len(table) - 1)]
+        for pro in pr.tree:
+            corr = _tree_factor(pro, pro.name, log_size)
             lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * net_of(pro, pro.net))
             best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
         for pro in pr.nvls_tree:  # NVLSTree: one head per member and NIC, its NIC doubled on 2 nodes
@@ -211,8 +227,7 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
             heads = np.minimum(pr.channels, members)
             bus_nv = np.minimum(np.where(two, 2.0, 1.0) * bw, heads * np.where(two, *pro.per_channel))
             # a pipelined tree too: NCCL's tree correction (which NCCL applies to NVLSTree from Blackwell on)
-            table = np.array(pro.size_correction or gpu_physics.TREE_CORRECTION["Simple"] + (1.0,))
-            corr = table[np.clip(log_size, 0, len(table) - 1)]
+            corr = _tree_factor(pro, "Simple", log_size)
             lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * net_of(pro, pro.net)
             t = lat * lat_scale + nb * 2.0 * (p - 1) / (p * bus_nv * corr)
             best = np.where((members >= 2) & (n > 1), np.minimum(best, t), best)
@@ -225,7 +240,8 @@ def node_protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, busbw, l
     ring volume over min(bw_factor x the group's plateau busbw, channels x per_channel), LL also under the
     single-node ll_max; an all-reduce may take the tree, a chain through the node: base + 2 (p - 1) x step
     latency plus the buffer over half its bus bandwidth, slowed by NCCL's tree correction at medium sizes.
-    NCCL runs the fastest. Every latency x inside_node.latency_scale x lat_scale."""
+    A row's size_correction applies as across nodes. NCCL runs the fastest. Every latency x
+    inside_node.latency_scale x lat_scale."""
     node = pr.inside_node
     nb = np.asarray(nbytes, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
@@ -237,14 +253,15 @@ def node_protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, busbw, l
         b = np.minimum(pro.bw_factor * bw, pr.channels * pro.per_channel[0])
         return np.minimum(b, node.ll_max) if pro.name == "LL" else b
 
+    ar = kind == "all_reduce"
+    log_size = _log_size(nb) if ar or any(pro.size_correction for pro in node.ring) else None
     best = np.inf
     for pro in node.ring:
-        best = np.minimum(best, (pro.base + steps * pro.intra) * scale + ring_volume(kind, p, nb) / bus(pro))
-    if kind == "all_reduce":
-        log_size = np.floor(np.log2(np.maximum(nb, 64.0) / 64.0)).astype(np.int64)
+        b = bus(pro) * _by_size(pro.size_correction, log_size) if pro.size_correction else bus(pro)
+        best = np.minimum(best, (pro.base + steps * pro.intra) * scale + ring_volume(kind, p, nb) / b)
+    if ar:
         for pro in node.tree:
-            table = np.array(gpu_physics.TREE_CORRECTION[pro.name] + (1.0,))
-            corr = table[np.clip(log_size, 0, len(table) - 1)]
+            corr = _tree_factor(pro, pro.name, log_size)
             best = np.minimum(best, (pro.base + 2.0 * (p - 1) * pro.intra) * scale + nb / (0.5 * bus(pro) * corr))
     return best
 
