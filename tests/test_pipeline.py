@@ -193,6 +193,20 @@ def test_explain_refuses_too_few_micro_batches():
         explain("gpt-20b", "dgx-a100", 64, 4, grid=(1, 8, 1, 1), pp=8, micro_batch=1, execution="megatron-core")
 
 
+@pytest.mark.parametrize("kw,msg", [
+    # micro-batch unset: 1 and 2 break the 1f1b rule, 4 fails to divide the 2 sequences per GPU first
+    ({"global_batch": 4, "pp": 4}, "--pp 4: 1f1b over pp=4 stages needs at least 4 micro-batches, the step has 2"),
+    ({"global_batch": 64, "pp": 4, "vpp": 64, "schedule": "interleaved-1f1b"},
+     "--pp 4: pp=4 x vpp=64 virtual stages are more than the model's 32 blocks"),
+])
+def test_explain_refuses_a_pipeline_rule_every_micro_batch_breaks(kw, msg):
+    with pytest.raises(UserError) as err:
+        explain("gpt-20b", "dgx-a100", 64, grid=(1, 8, 1, 2), **kw)
+    assert str(err.value) == msg
+    # one micro-batch that keeps the rules is a configuration to explain, not a mistake
+    assert explain("gpt-20b", "dgx-a100", 64, 64, grid=(1, 8, 1, 2), pp=4).summary.iloc[0]["pp"] == 4
+
+
 @settings(max_examples=40, deadline=None)
 @given(pp=st.integers(2, 6), vpp=st.integers(1, 3), rounds=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_the_bound_never_exceeds_the_walk(pp, vpp, rounds, seed):

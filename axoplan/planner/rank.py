@@ -19,8 +19,8 @@ from axoplan.errors import UserError
 from axoplan.planner.machine import GIB, MachineProfile, load_profile
 from axoplan.planner.pipeline import SCHEDULES, stage_blocks
 from axoplan.planner.schedule import Window
-from axoplan.planner.space import (PLACEMENTS, Candidates, enumerate_space, layout, pipeline_choices, pipeline_masks,
-                                   placement_error)
+from axoplan.planner.space import (PLACEMENTS, Candidates, enumerate_space, layout, micro_batches, pipeline_choices,
+                                   pipeline_masks, placement_error)
 from axoplan.planner.specs import Job, ModelSpec, load_model
 from axoplan.planner.uncertainty import Uncertainty, expected_error, tied
 
@@ -266,6 +266,20 @@ class Explanation:
     uncertainty: Uncertainty | None = None  # the expected error of its time (planner/uncertainty.py)
 
 
+def _pipeline_mistake(model: ModelSpec, global_batch: int, c: Candidates) -> str | None:
+    """The pipeline rule that every candidate breaks, as a sentence for the first candidate that breaks it, or
+    None where some candidate keeps every pipeline rule."""
+    masks = pipeline_masks(model, global_batch, c)
+    if not np.logical_or.reduce([mk for mk, _ in masks]).all():
+        return None
+    for mask, template in masks:
+        if mask.any():
+            i = int(np.argmax(mask))
+            return template.format(pp=int(c.pp[i]), vpp=int(c.vpp[i]),
+                                   m=int(micro_batches(global_batch, c.take(np.array([i])))[0]))
+    return None
+
+
 def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, global_batch: int,
             grid: tuple[int, int, int, int], order: str = "xyz", seq_len: int | None = None,
             micro_batch: int | None = None, checkpointing: bool | None = None, overlap: bool = True,
@@ -289,11 +303,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
     ev = evaluate(m, p, job, c, overlap=overlap, blas_tuning=blas_tuning, execution=ex)
     cand = np.nonzero(ev.feasible)[0]
     if pp > 1 and not len(cand):
-        # a pipeline's own rules (too few micro-batches) are the user's mistake, not a configuration to explain
-        pipeline_rules = {t for _, t in pipeline_masks(m, job.global_batch, c)}
-        broken = [i for i in range(len(c)) if ev.reasons[ev.reason_code[i]] in pipeline_rules]
-        if len(broken) == len(c):
-            raise UserError(f"--pp {pp}: " + _reasons(ev, c, np.array(broken[:1]))[0])
+        # a pipeline rule every candidate breaks (too few micro-batches, more virtual stages than blocks) is the
+        # user's mistake, not a configuration to explain, even where a micro-batch also fails to divide first
+        if (why := _pipeline_mistake(m, job.global_batch, c)) is not None:
+            raise UserError(f"--pp {pp}: {why}")
     pool = cand if len(cand) else np.arange(len(c))
     best = pool[np.argmin(ev.batch_time[pool])]
     one = c.take(np.array([best]))
