@@ -38,6 +38,7 @@ message's call on its curve (the target is stated over all rows; this shows how 
 
     python benchmarks/collective_fidelity.py [--rows] [--diagnose] [--steady] [--fit-latency MACHINE [--share S]]
     python benchmarks/collective_fidelity.py --scale
+    python benchmarks/collective_fidelity.py --stalls
 """
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ def machine_profile(machine: str, gpus_per_node: int, model: str, latency_scale:
 
 def predict(r: dict, model: str, latency_scale=1.0, efficiency=RING_EFFICIENCY):
     """Seconds per call of row r; with arrays for latency_scale and efficiency (broadcast against each
-    other, 'protocols' only) an array of them."""
+    other, 'protocols' and 'own' only) an array of them. 'own': 'protocols' with the stalls the machine's own
+    profile measured (network.stalls: the least such a call takes)."""
     nodes, gpn = int(r["nodes"]), int(r["gpus_per_node"])
     kind, nb = r["collective"], float(r["bytes"])
     p, stride = np.array([nodes * gpn]), np.array([1])
@@ -235,7 +237,16 @@ def predict(r: dict, model: str, latency_scale=1.0, efficiency=RING_EFFICIENCY):
     pr = dataclasses.replace(prof.physics.protocols, latency_scale=np.asarray(latency_scale, dtype=np.float64))
     t = C.protocol_seconds(prof.replace(physics=dataclasses.replace(prof.physics, protocols=pr)),
                            kind, nb, int(p[0]), float(m[0]), float(n[0]), bw)
+    if model == "own":  # the machine's own measured behaviour too: its profile's network.stalls (in-sample)
+        t = np.maximum(t, C.stall_seconds(machine_stalls(r["machine"]), kind, nb, int(p[0]), float(n[0])))
     return float(t) if scalar else t
+
+
+@functools.lru_cache(maxsize=None)
+def machine_stalls(machine: str) -> tuple:
+    """The network.stalls of the machine's own bundled profile (none where the profile is another machine's)."""
+    name, _, _, own, _ = MACHINES[machine]
+    return load_profile(name).physics.stalls if own else ()
 
 
 # the fit's grid: latency scale 0.25-50 (9% apart), plateau share of the line rate 0.30-1.20 (0.01 apart)
@@ -243,13 +254,13 @@ SCALES = np.exp(np.linspace(np.log(0.25), np.log(50.0), 61))
 SHARES = np.round(np.arange(0.30, 1.2001, 0.01), 2)
 
 
-def fit_network(rows: list[dict]) -> tuple[float, float]:
+def fit_network(rows: list[dict], model: str = "protocols") -> tuple[float, float]:
     """(latency_scale, plateau share of the NIC line rate) minimising the mean |log(pred/meas)| over rows."""
     if all(float(r["bytes"]) >= PLATEAU_BYTES for r in rows):  # no latency-bound row to fit it: NCCL's latency
         return 1.0, fit_share(rows)
     loss = np.zeros((len(SCALES), len(SHARES)))
     for r in rows:
-        loss += np.abs(np.log(predict(r, "protocols", SCALES[:, None], SHARES[None, :]) / (float(r["time_us"]) * 1e-6)))
+        loss += np.abs(np.log(predict(r, model, SCALES[:, None], SHARES[None, :]) / (float(r["time_us"]) * 1e-6)))
     i, j = np.unravel_index(np.argmin(loss), loss.shape)
     return round(float(SCALES[i]), 2), float(SHARES[j])
 
@@ -422,6 +433,29 @@ def print_scale(rows: list[dict]) -> None:
             print(f"    {share / 2**20:7.2f} MiB per rank: us per step  {cells}   max/min {max(ts) / min(ts):.2f}")
 
 
+def print_stalls(rows: list[dict]) -> None:
+    """Each network.stalls row of a machine's own profile checked leaving out one node count at a time: the band's
+    time per ring step predicted as the median of the other node counts' band rows, against the left-out rows."""
+    for m in sorted({r["machine"] for r in rows} & set(MACHINES)):
+        for st in machine_stalls(m):
+            band = [r for r in rows if r["machine"] == m and r["collective"] == st.kind and int(r["nodes"]) > 1
+                    and st.lo <= float(r["bytes"]) / (int(r["nodes"]) * int(r["gpus_per_node"])) <= st.hi]
+            step = {id(r): float(r["time_us"]) * 1e-6 / (int(r["nodes"]) * int(r["gpus_per_node"]) - 1) for r in band}
+            print(f"{m} {st.kind}: each rank's part {st.lo / 1024:.0f}-{st.hi / 1024:.0f} KiB across nodes, the "
+                  f"profile's {st.step * 1e6:.0f} us per ring step (median of all {len(band)} rows: "
+                  f"{np.median(list(step.values())) * 1e6:.0f} us); leaving out one node count:")
+            errs = []
+            for n in sorted({int(r["nodes"]) for r in band}):
+                out = [r for r in band if int(r["nodes"]) == n]
+                pred = float(np.median([step[id(r)] for r in band if int(r["nodes"]) != n]))
+                e = [abs(pred / step[id(r)] - 1) for r in out]
+                errs += e
+                print(f"    {n:4d} nodes: {len(out)} rows, measured " + ", ".join(f"{step[id(r)] * 1e6:.0f}" for r in out)
+                      + f" us per step; predicted from the others {pred * 1e6:.0f} us; mean error {np.mean(e):.0%}")
+            print(f"    mean error over the {len(errs)} rows, each predicted from the other node counts: "
+                  f"{np.mean(errs):.0%} (median {np.median(errs):.0%})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", action="store_true", help="print every judged row")
@@ -440,7 +474,13 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", action="store_true",
                     help="congestion at scale: each sweep's time per ring step at one share per rank over its node "
                          "counts, the 128- and 256-node logs included")
+    ap.add_argument("--stalls", action="store_true",
+                    help="check each profile's network.stalls leaving out one node count at a time (the 128- and "
+                         "256-node logs included)")
     args = ap.parse_args(argv)
+    if args.stalls:
+        print_stalls(load_rows())
+        return 0
     if args.scale:
         print_scale(load_rows())
         return 0
@@ -486,13 +526,13 @@ def main(argv=None) -> int:
             print(f"    {m:18s} {len(mr):3d} rows, mean error {mean_err(mr, 'protocols', s, args.share):.0%}")
         return 0
     lomo = {m: leave_one_out(rows, m) for m in machines}
-    own = {m: fit_network([r for r in rows if r["machine"] == m]) for m in machines}
+    own = {m: fit_network([r for r in rows if r["machine"] == m], "own") for m in machines}
     print("published cross-node collective sweeps vs axoplan: time per call, 1 MiB-4 GiB on 2-64 nodes, "
           "error = |pred/meas - 1|: mean per curve, then over curves (median over rows in brackets)")
     print(f"{'machine':17s} {'network':16s} {'collective':14s} {'curves':>6s} {'rows':>4s} {'before':>10s} "
           f"{'nccl':>10s} {'lomo':>10s} {'own':>10s}  latency_scale, plateau/NICs: lomo | own")
     models = lambda m: (("before", 1.0, RING_EFFICIENCY), ("protocols", 1.0, RING_EFFICIENCY),  # noqa: E731
-                        ("protocols", *lomo[m]), ("protocols", *own[m]))
+                        ("protocols", *lomo[m]), ("own", *own[m]))
     per_machine, medians = [], []
     for m in machines:
         mr = [r for r in rows if r["machine"] == m]

@@ -561,3 +561,83 @@ def test_bundled_dgx_single_node_rows_are_nccls_and_their_scale_the_published_sw
     for m in cf.NODE_MACHINES:
         mine = [r for r in rows if r["machine"] == m]
         assert cf.node_errors(mine, "protocols", fit[m]).mean() < cf.node_errors(mine, "before").mean()
+
+
+STALL = {"collective": "all_gather", "per_rank_kib": [64, 256], "step_us": 400, "source": "test"}
+
+
+def stalled(rows=(STALL,), protocols=PROTOCOLS):
+    d = profile_dict()
+    if protocols is not None:
+        d["network"]["protocols"] = protocols
+    d["network"]["stalls"] = [dict(r) for r in rows]
+    return profile_from_dict(d, "test profile")
+
+
+def test_stall_seconds_by_hand():
+    """network.stalls: an all-gather across nodes whose every rank's part (bytes / p) is 64-256 KiB takes at least
+    p - 1 ring steps of 400 us; a part of 32 or 512 KiB, a group inside one node, another collective: nothing."""
+    s = stalled().physics.stalls
+    kib = 1024.0
+    nb = np.array([32, 64, 128, 256, 512]) * kib * 8
+    got = C.stall_seconds(s, "all_gather", nb, 8, 2)
+    assert got == pytest.approx([0, 7 * 400 * US, 7 * 400 * US, 7 * 400 * US, 0])
+    assert np.all(C.stall_seconds(s, "all_gather", nb, 8, 1) == 0)
+    assert np.all(C.stall_seconds(s, "reduce_scatter", nb, 8, 2) == 0)
+
+
+def test_a_stall_is_the_least_a_collective_across_nodes_takes():
+    """In the planner: an all-gather of 16 members on 4 nodes (the Z axis, 4 GPUs per node), 128 KiB each, takes
+    15 x 400 us under the stall instead of the protocol model's (Simple: 8 + 12 x 4 + 3 x 10 = 86 us plus 15/16
+    of 2 MiB at 80 GB/s, 110.6 us); 1 MiB each is out of the band and keeps the protocol model's time; inside a
+    node (4 members) the same part is not stalled."""
+    c16 = Candidates(*(np.array([v]) for v in (1, 1, 16, 1, 0, 1)), np.array([False]))
+    for p, want in ((stalled(), 15 * 400 * US), (prof(), None)):
+        g = C.place(p, c16)
+        t = float(C._coll(p, g, "w", "fwd", "all_gather", "z", 16 * 128 * 1024.0).seconds[0])
+        plain = across(prof(), "all_gather", 16 * 128 * 1024.0, 16)
+        assert plain == pytest.approx((86 + 15 / 16 * 2 * 2**20 / 80e9 / US) * US)
+        assert t == pytest.approx(want if want is not None else plain)
+        big = float(C._coll(p, g, "w", "fwd", "all_gather", "z", 16 * 1024 * 1024.0).seconds[0])
+        assert big == pytest.approx(across(prof(), "all_gather", 16 * 1024 * 1024.0, 16))
+    c4 = Candidates(*(np.array([v]) for v in (1, 1, 4, 4, 0, 1)), np.array([False]))
+    p = stalled()
+    t4 = float(C._coll(p, C.place(p, c4), "w", "fwd", "all_gather", "z", 4 * 128 * 1024.0).seconds[0])
+    assert t4 < 15 * 400 * US / 10
+    # a profile without network.protocols (the alpha-beta line) takes its stalls too
+    flat = stalled(protocols=None)
+    g = C.place(flat, c16)
+    assert float(C._coll(flat, g, "w", "fwd", "all_gather", "z", 16 * 128 * 1024.0).seconds[0]) == pytest.approx(
+        15 * 400 * US)
+
+
+@pytest.mark.parametrize("row,field,msg", [
+    ({"collective": "alltoall"}, "collective", "must be one of all_gather, reduce_scatter, all_reduce, got 'alltoall'"),
+    ({"per_rank_kib": [256, 64]}, "per_rank_kib", "must be [lo, hi] with lo <= hi, got [256, 64]"),
+    ({"per_rank_kib": 64}, "per_rank_kib", "must be [lo, hi], each rank's part of the buffer in KiB"),
+    ({"step_us": 0}, "step_us", "must be positive, got 0.0"),
+    ({"source": ""}, "per_rank_kib[0]", "has no source (every number in a profile needs one)"),
+    ({"bytes": 1}, "bytes", "is not a profile field (known here: collective, per_rank_kib, source, step_us)"),
+])
+def test_stall_rows_are_checked(row, field, msg):
+    with pytest.raises(UserError) as err:
+        stalled([dict(STALL, **row)])
+    assert f"field 'network.stalls[0].{field}' {msg}" in str(err.value)
+
+
+def test_frontier_carries_rccls_all_gather_stall_and_the_benchmark_checks_it(capsys):
+    """The frontier profile's stall is the median time per ring step of the sweep's rows in its band (0.38 ms of
+    the AxoNN authors' RCCL logs), which `collective_fidelity.py --stalls` checks leaving out one node count."""
+    (s,) = load_profile("frontier").physics.stalls
+    assert (s.kind, s.lo, s.hi, s.step) == ("all_gather", 64 * 1024, 256 * 1024, pytest.approx(380 * US))
+    cf = _collective_fidelity()
+    band = [r for r in cf.load_rows() if r["machine"] == "frontier-mi250x" and r["collective"] == "all_gather"
+            and int(r["nodes"]) > 1 and s.lo <= float(r["bytes"]) / (8 * int(r["nodes"])) <= s.hi]
+    steps = [float(r["time_us"]) / (8 * int(r["nodes"]) - 1) for r in band]
+    assert len(band) == 21 and round(float(np.median(steps)) / 10) * 10 == 380
+    assert cf.main(["--stalls"]) == 0
+    out = capsys.readouterr().out
+    assert "frontier-mi250x all_gather: each rank's part 64-256 KiB" in out and "mean error over the 21 rows" in out
+    # only the machine's own profile carries it into the benchmark's 'own' column, never into 'lomo'
+    r = dict(band[0])
+    assert cf.predict(r, "own", 1.0, 0.96) > 10 * cf.predict(r, "protocols", 1.0, 0.96)

@@ -149,6 +149,19 @@ def node_protocol_seconds(profile: MachineProfile, kind: str, nbytes, p, busbw) 
     return np.where(np.asarray(p) > 1, t + call_overhead(corr, p), 0.0)
 
 
+def stall_seconds(stalls: tuple, kind: str, nbytes, p, nodes) -> np.ndarray | float:
+    """The least one collective across nodes takes under a profile's network.stalls: p - 1 ring steps of a
+    matching row's step where each rank's part of the buffer (nbytes / p) lies in the row's band; 0 elsewhere."""
+    out = 0.0
+    for s in stalls:
+        if s.kind == kind:
+            p_ = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
+            part = np.asarray(nbytes, dtype=np.float64) / p_
+            hit = (np.asarray(nodes) > 1) & (part >= s.lo) & (part <= s.hi)
+            out = np.maximum(out, np.where(hit, (p_ - 1) * s.step, 0.0))
+    return out
+
+
 def _log_size(nbytes) -> np.ndarray:
     """NCCL's logSize of a buffer, log2(bytes / 64) floored: the index of its per-size factor tables."""
     return np.floor(np.log2(np.maximum(nbytes, 64.0) / 64.0)).astype(np.int64)
@@ -381,7 +394,8 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         for a, sz in size.items():
             pairs = np.stack(np.broadcast_arrays(sz, stride[a]), axis=-1).reshape(-1, 2)
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
-    nodes = {a: group_nodes(profile, size[a], stride[a]) for a in size} if profile.physics.protocols else None
+    spans = profile.physics.protocols or profile.physics.stalls  # the models that need the nodes a group spans
+    nodes = {a: group_nodes(profile, size[a], stride[a]) for a in size} if spans else None
     return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes, nodes)
 
 
@@ -486,7 +500,7 @@ def _replace_where(mask, t, fn, *args) -> np.ndarray:
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
-    if g.nodes is not None:
+    if profile.physics.protocols is not None:
         # across nodes NCCL's protocol model replaces the one alpha-beta line; inside one node too where the
         # profile gives NCCL's single-node rows
         m, n = g.nodes[axis]
@@ -496,6 +510,8 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
         if profile.physics.protocols.inside_node is not None:
             t = _replace_where((n <= 1) & (p > 1), t, lambda nb, p, bw: node_protocol_seconds(profile, kind, nb, p, bw),
                                nbytes, p, g.busbw[axis])
+    if profile.physics.stalls:
+        t = np.maximum(t, stall_seconds(profile.physics.stalls, kind, nbytes, g.size[axis], g.nodes[axis][1]))
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
         pairs, inv = g.shapes[axis]

@@ -21,6 +21,9 @@ NODE_PROTOCOL_KEYS = {"source", "ring", "tree", "ll_max_busbw_gbs", "latency_sca
 PROTOCOL_ROW_KEYS = {"protocol", "base_us", "intra_us", "net_us", "bw_factor", "per_channel_gbs", "size_correction",
                      "source"}
 PROTOCOL_NAMES = ("LL", "LL128", "Simple")
+# a network.stalls row's keys, declared here once (the loader checks them, the schema names them)
+STALL_KEYS = {"collective", "per_rank_kib", "step_us", "source"}
+STALL_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 # NCCL's tree correction by log2(bytes / 64), 64 B to 256 MB, per protocol (NVIDIA/nccl src/graph/tuning.cc
 # @5067397 treeCorrectionFactor): its trees run slower than its own model at medium sizes; 1 beyond the table
 TREE_CORRECTION = {
@@ -87,6 +90,17 @@ class NodeProtocols:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """A collective across nodes whose every ring step takes `step` seconds where each rank's part of the buffer is
+    lo..hi bytes: a library's measured behaviour on one network (network.stalls), not a rule of the model."""
+
+    kind: str  # all_gather, reduce_scatter or all_reduce
+    lo: float  # bytes per rank, inclusive
+    hi: float
+    step: float  # seconds per ring step
+
+
+@dataclass(frozen=True)
 class GpuPhysics:
     # ((head_dim, (log2 seq, ...), (fwd FLOP/s, ...), (bwd FLOP/s, ...)), ...) sorted by head_dim and seq
     attn_rates: tuple = ()
@@ -94,6 +108,7 @@ class GpuPhysics:
     base_latency: float = 0.0  # s per collective call (nccl model only)
     overlap_slowdown: float = 0.0  # compute runs 1 + this slower while a collective runs beside it
     protocols: Protocols | None = None  # network.protocols: collectives across nodes by NCCL's protocol model
+    stalls: tuple = ()  # network.stalls: Stall rows, the least such a collective across nodes takes
 
     def attention_rates(self, seq_len: float, head_dim: float) -> tuple[float, float] | None:
         """(forward, backward) FLOP/s of the attention kernel at this sequence length and head size:
@@ -144,7 +159,34 @@ def parse(d: dict, rd) -> GpuPhysics:
     slow = rd.num(net, "overlap_compute_slowdown", "network", default=0.0, allow_zero=True) if isinstance(net, dict) else 0.0
     if slow >= 1:
         rd.fail("network.overlap_compute_slowdown", f"must be below 1 (a share of the compute time), got {slow:g}")
-    return GpuPhysics(rates, model, base, slow, _protocols(net, rd) if isinstance(net, dict) else None)
+    return GpuPhysics(rates, model, base, slow, _protocols(net, rd) if isinstance(net, dict) else None,
+                      _stalls(net, rd) if isinstance(net, dict) else ())
+
+
+def _stalls(net: dict, rd) -> tuple:
+    """network.stalls: [{collective, per_rank_kib: [lo, hi], step_us, source}, ...]."""
+    rows = net.get("stalls")
+    if rows is None:
+        return ()
+    what = "{collective, per_rank_kib: [lo, hi], step_us, source}"
+    if not isinstance(rows, list) or not rows:
+        rd.fail("network.stalls", f"must be a non-empty list of {what}")
+    out = []
+    for i, r in enumerate(rows):
+        p = f"network.stalls[{i}]"
+        if not isinstance(r, dict):
+            rd.fail(p, f"must be a mapping {what}")
+        kind = r.get("collective")
+        if kind not in STALL_COLLECTIVES:
+            rd.fail(f"{p}.collective", f"must be one of {', '.join(STALL_COLLECTIVES)}, got {kind!r}")
+        band = r.get("per_rank_kib")
+        if not isinstance(band, list) or len(band) != 2:
+            rd.fail(f"{p}.per_rank_kib", "must be [lo, hi], each rank's part of the buffer in KiB")
+        lo, hi = (rd.num({"v": v}, "v", f"{p}.per_rank_kib") * 1024 for v in band)
+        if lo > hi:
+            rd.fail(f"{p}.per_rank_kib", f"must be [lo, hi] with lo <= hi, got {band}")
+        out.append(Stall(kind, lo, hi, rd.num(r, "step_us", p) * US))
+    return tuple(out)
 
 
 def _mapping(parent: dict, key: str, where: str, known: set, what: str, rd) -> dict | None:

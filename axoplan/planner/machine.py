@@ -60,7 +60,8 @@ _ROW = [{k: FREE for k in gpu_physics.PROTOCOL_ROW_KEYS}]
 PROTOCOLS_KEYS = {**{k: FREE for k in gpu_physics.PROTOCOL_KEYS}, "ring": _ROW, "tree": _ROW, "nvls_tree": _ROW}
 NETWORK_KEYS = {"source": TEXT, "latency_model": TEXT, "base_latency_us": NUM, "overlap_compute_slowdown": NUM,
                 "overlap_efficiency": NUM, "intra_node": INTRA_NODE_KEYS, "inter_node": INTER_NODE_KEYS,
-                "collectives": COLLECTIVES_KEYS, "protocols": PROTOCOLS_KEYS}
+                "collectives": COLLECTIVES_KEYS, "protocols": PROTOCOLS_KEYS,
+                "stalls": [{k: FREE for k in gpu_physics.STALL_KEYS}]}
 CORRECTIONS_KEYS = {"source": TEXT, **{name: NUM for name in (
     "gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale", "step_overhead_s",
     "kernel_overhead_scale", "collective_overhead_s", "overlap_efficiency")}}  # = Corrections' fields (checked below)
