@@ -53,6 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from axoplan.calibrate.fit import STALL_RATIO, find_stalls, stalled
 from axoplan.planner import comm as C
 from axoplan.planner import gpu_physics
 from axoplan.planner.machine import GB, _Reader, load_profile
@@ -178,10 +179,10 @@ def judged(rows: list[dict]) -> list[dict]:
     return [r for r in rows if LO <= float(r["bytes"]) <= HI and NODES[0] <= int(r["nodes"]) <= NODES[1]]
 
 
-# a call slower than this many times a larger message's call on the same curve is a stall, not the steady
-# state a per-call model describes (a larger message cannot take less time: the Frontier logs hold 1-4 MiB
-# all-gathers of 6.5-7.2 ms beside 8 MiB at 0.57 ms, means of 20 calls after only 5 warm-up calls)
-STALL = 1.25
+# a call slower than STALL x a larger message's call on the same curve is a stall, not the steady state a per-call
+# model describes (a larger message cannot take less time: the Frontier logs hold 1-4 MiB all-gathers of 6.5-7.2 ms
+# beside 8 MiB at 0.57 ms, means of 20 calls after only 5 warm-up calls); the rule calibrate's fit applies
+STALL = STALL_RATIO
 
 
 def stalls(rows: list[dict]) -> set:
@@ -189,9 +190,7 @@ def stalls(rows: list[dict]) -> set:
     out = set()
     for c in {r["curve"] for r in rows}:
         pts = sorted((float(r["bytes"]), float(r["time_us"])) for r in rows if r["curve"] == c)
-        for i, (b, t) in enumerate(pts):
-            if any(t > STALL * t2 for _, t2 in pts[i + 1:]):
-                out.add((c, b))
+        out |= {(c, b) for (b, _), f in zip(pts, stalled(pts)) if f}
     return out
 
 
@@ -433,6 +432,13 @@ def print_scale(rows: list[dict]) -> None:
             print(f"    {share / 2**20:7.2f} MiB per rank: us per step  {cells}   max/min {max(ts) / min(ts):.2f}")
 
 
+def stall_rows(rows: list[dict], machine: str) -> list[dict]:
+    """The machine's rows across nodes as calibrate's stall fit reads them (members, seconds)."""
+    return [dict(curve=r["curve"], collective=r["collective"], size=int(r["nodes"]) * int(r["gpus_per_node"]),
+                 bytes=float(r["bytes"]), seconds=float(r["time_us"]) * 1e-6)
+            for r in rows if r["machine"] == machine and int(r["nodes"]) > 1]
+
+
 def print_stalls(rows: list[dict]) -> None:
     """Each network.stalls row of a machine's own profile checked leaving out one node count at a time: the band's
     time per ring step predicted as the median of the other node counts' band rows, against the left-out rows."""
@@ -441,9 +447,13 @@ def print_stalls(rows: list[dict]) -> None:
             band = [r for r in rows if r["machine"] == m and r["collective"] == st.kind and int(r["nodes"]) > 1
                     and st.lo <= float(r["bytes"]) / (int(r["nodes"]) * int(r["gpus_per_node"])) <= st.hi]
             step = {id(r): float(r["time_us"]) * 1e-6 / (int(r["nodes"]) * int(r["gpus_per_node"]) - 1) for r in band}
+            found = [f for f in find_stalls(stall_rows(rows, m)) if f.collective == st.kind]
             print(f"{m} {st.kind}: each rank's part {st.lo / 1024:.0f}-{st.hi / 1024:.0f} KiB across nodes, the "
                   f"profile's {st.step * 1e6:.0f} us per ring step (median of all {len(band)} rows: "
-                  f"{np.median(list(step.values())) * 1e6:.0f} us); leaving out one node count:")
+                  f"{np.median(list(step.values())) * 1e6:.0f} us); calibrate's stall fit on these logs: "
+                  + (", ".join(f"{f.lo / 1024:.0f}-{f.hi / 1024:.0f} KiB at {f.step * 1e6:.0f} us, {f.stalled} of "
+                               f"{f.rows} rows stalled on {f.curves} curves" for f in found) or "none")
+                  + "; leaving out one node count:")
             errs = []
             for n in sorted({int(r["nodes"]) for r in band}):
                 out = [r for r in band if int(r["nodes"]) == n]

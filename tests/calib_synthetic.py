@@ -38,11 +38,13 @@ def nccl_truth(lat_scale: float, nic_path: str = "PXB", nvls: bool = False):
 
 
 def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, nic_path=None,
-          nvls=None) -> ResultsDir:
+          nvls=None, stall=None) -> ResultsDir:
     """gpu_truth: (busbw of one ring leaving a node, latency scale) -- a GPU run whose groups crossing nodes
     follow NCCL's protocol model with those two numbers (comm.protocol_time), the rest as on CPUs; nic_path:
     the GPU-to-NIC path the worker recorded (None: none recorded, an older run), which the truth's rows follow;
-    nvls: whether the worker found NVLS (None: not recorded, an older run), which the truth follows too."""
+    nvls: whether the worker found NVLS (None: not recorded, an older run), which the truth follows too; stall:
+    (collective, lo, hi bytes per rank, seconds per ring step) -- its calls across nodes whose every rank's part
+    lies in lo..hi take at least size - 1 steps of it (as RCCL's all-gathers on Frontier)."""
     from axoplan.planner.comm import protocol_time
 
     rng = random.Random(seed)
@@ -70,6 +72,8 @@ def write(path, world=4, ranks_per_node=4, noise=0.02, seed=0, gpu_truth=None, n
                     m = max(min(ranks_per_node // s, p), 1)
                     t = jitter(float(protocol_time(pr, c, nbytes, p, m, -(-p // m), gpu_truth[0] / min(s, ranks_per_node),
                                                    lat)))
+                    if stall is not None and c == stall[0] and stall[1] <= nbytes / p <= stall[2]:
+                        t = max(t, jitter((p - 1) * stall[3]))
                 else:
                     t = jitter(ring_steps(c, p) * ALPHA + ring_volume(c, p, nbytes) / (bw * SCALE[c]))
                 rd.append("collectives", {"collective": c, "size": p, "stride": s, "crosses_nodes": cross,

@@ -115,6 +115,28 @@ def test_gpu_run_across_nodes_fits_nccls_protocol_model(tmp_path):
     assert prof.physics.protocols is not None and prof.inter_busbw == pytest.approx(120e9, rel=0.05)
 
 
+def test_gpu_run_whose_all_gathers_stall_writes_network_stalls(tmp_path):
+    """The same GPU run, its all-gathers across nodes stalling at 400 us a ring step wherever each rank's part is
+    64-256 KiB (as RCCL's on Frontier): the fit finds the band and the step and writes network.stalls, which the
+    planner loads; the protocol model, fitted to the other calls, still recovers the plateau and the latency."""
+    rd = write(tmp_path / "r", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6),
+               stall=("all_gather", 64 * 1024, 256 * 1024, 400e-6))
+    built = profile_writer.build(rd, "gpu-nodes", "t.csv")
+    (row,) = built.profile["network"]["stalls"]
+    assert row["collective"] == "all_gather" and row["per_rank_kib"] == [64, 256]
+    assert row["step_us"] == pytest.approx(400, rel=0.03)
+    assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
+    assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
+    from axoplan.planner.machine import load_profile
+
+    profile_writer.write(rd, tmp_path / "gpu.yaml")
+    (st,) = load_profile(str(tmp_path / "gpu.yaml")).physics.stalls
+    assert (st.kind, st.lo, st.hi) == ("all_gather", 65536, 262144)
+    # without the stall no band: the run of the test above writes none
+    plain = profile_writer.build(write(tmp_path / "p", world=16, ranks_per_node=4, gpu_truth=(120e9, 1.6)), "g", "t.csv")
+    assert "stalls" not in plain.profile["network"]
+
+
 def test_gpu_run_through_the_host_bridge_writes_no_ll128_rows(tmp_path):
     """The same run on hosts whose GPUs reach their NICs through the CPU (the worker recorded PHB): NCCL runs
     no LL128 across nodes there, the truth has none, and the written rows have none; the fit still recovers
@@ -374,3 +396,25 @@ def test_the_fitting_stage_reports_its_progress(tmp_path):
     assert lines[0].startswith("fitting the profile: GEMM, memory and attention (")
     assert any("collectives: latency and bandwidth" in x for x in lines)
     assert profile_writer.build(write(tmp_path / "r2"), "s", "s.csv")  # no reporter opened: silent, same result
+
+
+def test_find_stalls_by_hand():
+    """Curves of 8 members, parts 1 KiB-1 MiB per rank, each call 10 us + 1 us per KiB of part. Parts of 64 and
+    128 KiB stall (7 ms) on curves a and b, 4 KiB on a alone: the band is 64-128 KiB, its step the median seconds
+    per ring step of its rows; a third curve without the stall leaves 2 of 3 (a band), a fourth 2 of 4 (none)."""
+    from axoplan.calibrate.fit import find_stalls, stalled
+
+    assert stalled([(1, 3.0), (2, 1.0), (4, 2.0)]) == [True, False, False]
+
+    def curve(name, stall_parts):
+        return [{"collective": "all_gather", "size": 8, "curve": name, "bytes": 8 * 1024 * kib,
+                 "seconds": 7e-3 if kib in stall_parts else (10 + kib) * 1e-6}
+                for kib in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+
+    rows = curve("a", {4, 64, 128}) + curve("b", {64, 128})
+    (f,) = find_stalls(rows)
+    assert (f.collective, f.lo, f.hi, f.stalled, f.rows, f.curves) == ("all_gather", 65536, 131072, 4, 4, 2)
+    assert f.step == pytest.approx(7e-3 / 7)
+    (f3,) = find_stalls(rows + curve("c", set()))
+    assert (f3.stalled, f3.rows) == (4, 6) and f3.step == pytest.approx(7e-3 / 7)  # median of 4 stalled, 2 not
+    assert find_stalls(rows + curve("c", set()) + curve("d", set())) == []

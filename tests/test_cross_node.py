@@ -635,6 +635,13 @@ def test_frontier_carries_rccls_all_gather_stall_and_the_benchmark_checks_it(cap
             and int(r["nodes"]) > 1 and s.lo <= float(r["bytes"]) / (8 * int(r["nodes"])) <= s.hi]
     steps = [float(r["time_us"]) / (8 * int(r["nodes"]) - 1) for r in band]
     assert len(band) == 21 and round(float(np.median(steps)) / 10) * 10 == 380
+    # calibrate's stall fit finds the same band and step in the logs, and nothing on any other machine
+    from axoplan.calibrate.fit import find_stalls
+
+    found = {m: find_stalls(cf.stall_rows(cf.load_rows(), m)) for m in cf.MACHINES}
+    (f,) = found.pop("frontier-mi250x")
+    assert (f.collective, f.lo, f.hi, f.stalled, f.rows) == ("all_gather", s.lo, s.hi, 19, 21)
+    assert f.step == pytest.approx(s.step, rel=0.01) and not any(found.values())
     assert cf.main(["--stalls"]) == 0
     out = capsys.readouterr().out
     assert "frontier-mi250x all_gather: each rank's part 64-256 KiB" in out and "mean error over the 21 rows" in out

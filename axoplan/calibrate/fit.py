@@ -10,6 +10,7 @@ Both terms are constrained to be non-negative (scipy's NNLS) -- a negative laten
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -143,3 +144,61 @@ def fit_protocols(protocols, rows: Sequence[dict], ranks_per_node: int, busbw0: 
     rel = pred(r.x) / t - 1
     return ProtocolFit(math.exp(r.x[0]), math.exp(r.x[1]), float(np.sqrt(np.mean(rel**2))),
                        float(np.max(np.abs(rel))), len(t))
+
+
+# a call slower than this many times a larger message's call on its curve is a stall: no model of the library
+# lets a larger message take less time, so the library did something its tuning model does not say
+STALL_RATIO = 1.25
+
+
+def stalled(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """Per (bytes, seconds) point of one curve: slower than STALL_RATIO x a larger message's call on it."""
+    return [any(t > STALL_RATIO * t2 for b2, t2 in points if b2 > b) for b, t in points]
+
+
+@dataclass(frozen=True)
+class StallFit:
+    """A band of each rank's part of the buffer where a collective's calls across nodes stalled (network.stalls):
+    lo..hi bytes per rank, the median seconds per ring step of every row in it, and how many of them stalled."""
+
+    collective: str
+    lo: float
+    hi: float
+    step: float
+    stalled: int
+    rows: int
+    curves: int
+
+
+def find_stalls(rows: Sequence[dict]) -> list[StallFit]:
+    """The stall band of each collective in measurements of groups crossing nodes (rows: collective, size (members),
+    curve (what names one group shape's sweep), bytes, seconds): the parts per rank (bytes / size, by power of two)
+    stalled on at least two curves and on two thirds of the curves that measured them; the band is the longest run
+    of such parts among those measured, its step the median seconds per ring step over every row in it (those that
+    did not stall too). A part stalled on one curve alone is noise, not a band."""
+    out = []
+    for kind in sorted({r["collective"] for r in rows}):
+        kr = [r for r in rows if r["collective"] == kind]
+        by_curve = defaultdict(list)
+        for r in kr:
+            by_curve[r["curve"]].append(r)
+        flags = {}
+        for rs in by_curve.values():
+            for r, f in zip(rs, stalled([(r["bytes"], r["seconds"]) for r in rs])):
+                flags[id(r)] = f
+        part = {id(r): round(math.log2(max(r["bytes"] / max(r["size"], 1), 1.0))) for r in kr}
+        seen, hit = defaultdict(set), defaultdict(set)
+        for r in kr:
+            seen[part[id(r)]].add(r["curve"])
+            if flags[id(r)]:
+                hit[part[id(r)]].add(r["curve"])
+        best, run = [], []
+        for b in sorted(seen):
+            run = run + [b] if len(hit[b]) >= 2 and 3 * len(hit[b]) >= 2 * len(seen[b]) else []
+            best = run if len(run) > len(best) else best
+        if best:
+            band = [r for r in kr if part[id(r)] in best]
+            out.append(StallFit(kind, 2.0 ** best[0], 2.0 ** best[-1],
+                                float(np.median([r["seconds"] / max(r["size"] - 1, 1) for r in band])),
+                                sum(flags[id(r)] for r in band), len(band), len({r["curve"] for r in band})))
+    return out

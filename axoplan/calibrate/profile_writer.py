@@ -309,7 +309,10 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
                + ", ".join(f"{b * 1e3:.2g}" for b in bursts) + " ms, column burst_s), less the burst's own time "
                "(what a call costs between compute, as in training)" if len(bursts) > 1 else "")
             + "; the planner interpolates these (log-log) on measured shapes, the fit above serves the rest")}
-    protocols, proto_summary = _protocols_part(rows, meta, tag, inter_bw) if inter else (None, None)
+    stalls, in_band = _stalls_part(rows, tag) if inter else ([], set())
+    # calls in a stall band follow the stall, not NCCL's protocol model: the model is fitted to the rest
+    proto_rows = [r for r in rows if id(r) not in in_band]
+    protocols, proto_summary = _protocols_part(proto_rows, meta, tag, inter_bw) if inter else (None, None)
     if protocols is not None:
         inter_bw = proto_summary["busbw_gbs"] * 1e9
         inter_src = (f"{tag}; the plateau of one ring leaving a node, fitted with network.protocols (NCCL's "
@@ -317,6 +320,7 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
                      f"error {proto_summary['rms_rel_err']:.0%}); shared by min(stride, ranks per node)")
     net = {
         **({"protocols": protocols} if protocols is not None else {}),
+        **({"stalls": stalls} if stalls else {}),
         "intra_node": intra_node,
         "inter_node": {
             "busbw_gbs": {"value": _r(inter_bw / 1e9), "source": inter_src},
@@ -329,7 +333,8 @@ def network_part(all_rows: list[dict], meta: dict, tag: str, coll_table_name: st
     }
     summary = {"latency_us": latency * 1e6, "busbw_gbs": {f"{p}x{s}": ar[(p, s)].beta_bps / 1e9 for p, s in intra},
                "network_model_rms_rel_err": model_rms, "network_model_max_rel_err": model_max,
-               "inter_node_measured": bool(inter), "scales": scales, "protocols": proto_summary}
+               "inter_node_measured": bool(inter), "scales": scales, "protocols": proto_summary,
+               "stalls": stalls}
     return net, fit_rows, summary, coll_rows
 
 
@@ -352,6 +357,26 @@ def _device_section(meta: dict, tag: str) -> dict:
     if meta.get("cpu_count"):
         dev["count"] = int(meta["cpu_count"])
     return dev
+
+
+def _stalls_part(rows: list[dict], tag: str) -> tuple[list[dict], set]:
+    """network.stalls from the groups crossing nodes (fit.find_stalls: a band of each rank's part where calls took
+    longer than larger ones, on two thirds of the group shapes that measured it) and the ids of the rows in a band."""
+    from axoplan.calibrate.fit import STALL_RATIO, find_stalls
+
+    cross = [dict(r, curve=(r["collective"], r["size"], r["stride"]), src=id(r)) for r in rows if r["crosses_nodes"]]
+    out, in_band = [], set()
+    for f in find_stalls(cross):
+        band = [r for r in cross if r["collective"] == f.collective and f.lo <= 2.0 ** round(
+            math.log2(max(r["bytes"] / max(r["size"], 1), 1.0))) <= f.hi]
+        in_band |= {r["src"] for r in band}
+        out.append({"collective": f.collective, "per_rank_kib": [_r(f.lo / 1024, 4), _r(f.hi / 1024, 4)],
+                    "step_us": _r(f.step * 1e6, 4), "source": (
+                        f"{tag}; {f.stalled} of the {f.rows} calls of groups crossing nodes whose every rank's part was "
+                        f"{_human(int(f.lo))}-{_human(int(f.hi))} took longer than {STALL_RATIO:g} x a larger "
+                        f"message's call on {f.curves} group shapes; the median seconds per ring step of all "
+                        f"{f.rows}, the least the planner lets such a call take")})
+    return out, in_band
 
 
 def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
