@@ -510,7 +510,7 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
         if profile.physics.protocols.inside_node is not None:
             t = _replace_where((n <= 1) & (p > 1), t, lambda nb, p, bw: node_protocol_seconds(profile, kind, nb, p, bw),
                                nbytes, p, g.busbw[axis])
-    if profile.physics.stalls:
+    if any(st.kind == kind for st in profile.physics.stalls):
         t = np.maximum(t, stall_seconds(profile.physics.stalls, kind, nbytes, g.size[axis], g.nodes[axis][1]))
     if g.shapes is not None:
         # measured group shapes take the calibration's own curve instead of the alpha-beta fit
