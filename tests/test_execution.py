@@ -522,3 +522,23 @@ def test_gradient_accumulation_by_hand():
     zero1 = Execution(weights="low-precision-copy", optimizer_sharding="data-parallel")
     assert float(dataclasses.replace(zero1, gradient_accumulation="compute").state_bytes(4, 2)) == 2 + 2 + 3
     assert float(zero1.state_bytes(4, 2)) == float(dataclasses.replace(zero1, gradient_accumulation="fused").state_bytes(4, 2)) == 2 + 4 + 3
+
+
+def test_unaligned_gemm_runs_at_most_at_the_profiles_rate_by_hand():
+    """compute.gemm.unaligned_tflops: a bf16 GEMM with any dimension not a multiple of 8 elements (16 bytes) takes
+    at least 2mnk / 12.2 TFLOP/s; an aligned one of nearly the same size keeps the curve's time; a profile without
+    the field (dgx-h100) prices both alike; a rate above the peak is refused."""
+    from axoplan.planner.machine import load_profile, profile_from_dict
+    from tests.conftest import profile_dict
+
+    p = load_profile("dgx-a100")
+    t108, _ = p.gemm_seconds(2048, 2048, 108)
+    t104, _ = p.gemm_seconds(2048, 2048, 104)
+    assert t108 == pytest.approx(2 * 2048 * 2048 * 108 / 12.2e12 + p.launch_cost)
+    assert t104 < t108 / 4  # 18.7 us against 79.3 us
+    h = load_profile("dgx-h100")
+    assert h.gemm_seconds(2048, 2048, 108)[0] < 2 * h.gemm_seconds(2048, 2048, 104)[0]
+    d = profile_dict()
+    d["compute"]["gemm"]["unaligned_tflops"] = {"value": 1e6, "source": "test"}
+    with pytest.raises(UserError, match="unaligned_tflops"):
+        profile_from_dict(d, "test profile")

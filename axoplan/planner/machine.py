@@ -41,7 +41,7 @@ NUM, TEXT, FLAG, FREE = "number", "text", "flag", "free"
 TABLE_KEYS = {"path": TEXT, "source": TEXT}  # {path: FILE.csv, source: ...} beside a section
 MEMORY_KEYS = {"source": TEXT, "capacity_gib": NUM, "headroom_gib": NUM, "bandwidth_gbs": NUM,
                "elementwise_efficiency": NUM}
-GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "table": TABLE_KEYS,
+GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "unaligned_tflops": NUM, "table": TABLE_KEYS,
              "waves": {"sms": FREE, "tiles": FREE, "source": TEXT}}
 ATTENTION_KEYS = {"source": TEXT, "tflops": NUM, "causal_skip": FLAG, "backward_factor": NUM, "table": TABLE_KEYS,
                   "throughput": [{"seq": NUM, "head_dim": NUM, "fwd_tflops": NUM, "bwd_tflops": NUM, "source": TEXT}]}
@@ -303,6 +303,9 @@ class MachineProfile:
     inter_ring_busbw: float = float("inf")
     # compute.gemm.waves: (SMs, output tiles) quantizing the analytic GEMM curve (wave_efficiency); None: not modelled
     gemm_waves: tuple | None = None
+    # compute.gemm.unaligned_tflops (FLOP/s): the most a GEMM any of whose dimensions is not a whole number of
+    # 16-byte vectors runs at (the BLAS's kernels for such operands); None: not modelled
+    gemm_unaligned: float | None = None
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -418,6 +421,10 @@ class MachineProfile:
             if self.gemm_waves is not None:
                 eff = eff * wave_efficiency(m, n, batch, *self.gemm_waves)
             t_compute = flop / (self.gemm_ceiling * eff * scale)
+            if self.gemm_unaligned is not None:
+                vec = 16.0 / self.dtype_bytes  # elements per 16-byte vector
+                off = (np.mod(m, vec) != 0) | (np.mod(n, vec) != 0) | (np.mod(k, vec) != 0)
+                t_compute = np.where(off, np.maximum(t_compute, flop / (self.gemm_unaligned * scale)), t_compute)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
             return np.maximum(t_compute, t_memory) + self.launch_cost, np.zeros(shape, dtype=bool)
         tab = self.gemm_table
@@ -1050,7 +1057,9 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         rd.fail("compute.attention.causal_skip", "must be true or false")
 
     peak = rd.num(comp, "peak_tflops", "compute")
+    unaligned = rd.num(gemm, "unaligned_tflops", "compute.gemm") if gemm.get("unaligned_tflops") is not None else None
     for sec, key, val in (("compute.gemm", "ceiling_tflops", rd.num(gemm, "ceiling_tflops", "compute.gemm")),
+                          ("compute.gemm", "unaligned_tflops", unaligned or 0.0),
                           ("compute.attention", "tflops", rd.num(attn, "tflops", "compute.attention"))):
         if val > peak * (1 + 1e-9):
             # a measured ceiling above the peak is a unit or copy mistake; it would show > 100 % of peak
@@ -1080,6 +1089,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
         gemm_dim_half=_dim_half(gemm, rd),
         gemm_waves=_waves(gemm, rd),
+        gemm_unaligned=unaligned * TFLOP if unaligned is not None else None,
         attn_flops=rd.num(attn, "tflops", "compute.attention") * TFLOP,
         attn_causal_skip=causal,
         attn_bwd_factor=rd.num(attn, "backward_factor", "compute.attention", default=2.5),
