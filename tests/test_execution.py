@@ -542,3 +542,15 @@ def test_unaligned_gemm_runs_at_most_at_the_profiles_rate_by_hand():
     d["compute"]["gemm"]["unaligned_tflops"] = {"value": 1e6, "source": "test"}
     with pytest.raises(UserError, match="unaligned_tflops"):
         profile_from_dict(d, "test profile")
+
+
+def test_explain_names_the_unaligned_gemm_dimensions():
+    """gpt-20b (hidden 7168) split 256 ways over gx leaves 28 columns per GPU in its qkv, fc1 and LM-head inputs
+    and attention-output and fc2 outputs: explain names them and the cap; an aligned grid gets no such note."""
+    from axoplan.planner.rank import explain
+
+    e = explain("gpt-20b", "dgx-a100", 512, 512, grid=(256, 1, 1, 2))
+    (note,) = [n for n in e.notes if "16-byte vectors" in n]
+    assert "qkv in 28" in note and "fc2 out 28" in note and "12.2 TFLOP/s" in note
+    assert not [n for n in explain("gpt-20b", "dgx-a100", 64, 64, grid=(1, 8, 1, 8)).notes if "16-byte" in n]
+    assert not [n for n in explain("gpt-20b", "dgx-h100", 512, 512, grid=(256, 1, 1, 2)).notes if "16-byte" in n]

@@ -52,6 +52,21 @@ def linear_gemms(profile: MachineProfile, lin: LinearShape, gx, gy, tokens, tuni
                      dict(zip(("fwd", "dgrad", "wgrad"), (x or "best" for x in lay))))
 
 
+def unaligned_dims(profile: MachineProfile, model: ModelSpec, gx: int, gy: int, tokens: int, unfused: bool) -> list:
+    """(GEMM, dimension) of one configuration's GEMMs whose size is not a whole number of 16-byte vectors, which
+    the profile's compute.gemm.unaligned_tflops caps (MachineProfile.gemm_seconds); [] where it has none."""
+    if profile.gemm_unaligned is None or profile.gemm_table is not None:
+        return []
+    vec = 16 / profile.dtype_bytes
+    dims = [("tokens", tokens)]
+    for lin in [*model.block_linears(), model.lm_head()]:
+        k, n = lin.local(gx, gy)
+        dims += [(f"{lin.name} in", k), (f"{lin.name} out", n)]
+    if unfused:
+        dims.append(("attention head size", model.head_dim))
+    return [(name, float(d)) for name, d in dims if float(d) % vec != 0]
+
+
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of the local attention over n_heads/gy heads: from the profile's
     attention table where it measured the local sequence and head size (the shape itself, or

@@ -12,6 +12,7 @@ import numpy as np
 from axoplan import inputs
 from axoplan.planner import comm, stage_timing
 from axoplan.planner.batch import Evaluation, evaluate
+from axoplan.planner.compute import unaligned_dims
 from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
@@ -395,6 +396,11 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]
     if bool(ev1.extrapolated[0]):
         notes.append("some GEMM shapes fall outside the profile's measured table: their time is extrapolated")
+    if off := unaligned_dims(p, m, int(one.gx[0]), int(one.gy[0]), int(one.micro_batch[0]) * job.seq_len,
+                             ex.attention == "unfused"):
+        notes.append("GEMM dimensions that are not a whole number of 16-byte vectors ("
+                     + ", ".join(f"{name} {d:g}" for name, d in off) + f"): those GEMMs run at most "
+                     f"{p.gemm_unaligned / 1e12:.3g} TFLOP/s (compute.gemm.unaligned_tflops)")
     if not bool(ev1.feasible[0]):
         notes.append("this configuration is NOT feasible: " + summary["reason"][0])
     return Explanation(summary, colls, windows, memory, notes, ex, {**d, "candidate": one, "model": m, "profile": p,
