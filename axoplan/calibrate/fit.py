@@ -156,6 +156,11 @@ def stalled(points: Sequence[tuple[float, float]]) -> list[bool]:
     return [any(t > STALL_RATIO * t2 for b2, t2 in points if b2 > b) for b, t in points]
 
 
+def part_bin(nbytes: float, size: int) -> int:
+    """log2 of each rank's part of a collective's buffer (bytes / members), rounded: the unit of a stall band."""
+    return round(math.log2(max(nbytes / max(size, 1), 1.0)))
+
+
 @dataclass(frozen=True)
 class StallFit:
     """A band of each rank's part of the buffer where a collective's calls across nodes stalled (network.stalls):
@@ -186,7 +191,7 @@ def find_stalls(rows: Sequence[dict]) -> list[StallFit]:
         for rs in by_curve.values():
             for r, f in zip(rs, stalled([(r["bytes"], r["seconds"]) for r in rs])):
                 flags[id(r)] = f
-        part = {id(r): round(math.log2(max(r["bytes"] / max(r["size"], 1), 1.0))) for r in kr}
+        part = {id(r): part_bin(r["bytes"], r["size"]) for r in kr}
         seen, hit = defaultdict(set), defaultdict(set)
         for r in kr:
             seen[part[id(r)]].add(r["curve"])
