@@ -57,14 +57,13 @@ def unaligned_dims(profile: MachineProfile, model: ModelSpec, gx: int, gy: int, 
     the profile's compute.gemm.unaligned_tflops caps (MachineProfile.gemm_seconds); [] where it has none."""
     if profile.gemm_unaligned is None or profile.gemm_table is not None:
         return []
-    vec = 16 / profile.dtype_bytes
     dims = [("tokens", tokens)]
     for lin in [*model.block_linears(), model.lm_head()]:
         k, n = lin.local(gx, gy)
         dims += [(f"{lin.name} in", k), (f"{lin.name} out", n)]
     if unfused:
         dims.append(("attention head size", model.head_dim))
-    return [(name, float(d)) for name, d in dims if float(d) % vec != 0]
+    return [(name, float(d)) for name, d in dims if profile.unaligned(d)]
 
 
 def attention_seconds(profile: MachineProfile, model: ModelSpec, gy, micro_batch, seq_len) -> tuple[np.ndarray, np.ndarray]:

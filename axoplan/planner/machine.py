@@ -399,6 +399,11 @@ class MachineProfile:
         return np.where(inside, self.intra_latency, self.inter_latency) * self.corrections.latency_scale
 
     # ---- GEMM time -------------------------------------------------------------------
+    def unaligned(self, d) -> np.ndarray:
+        """Whether a GEMM dimension of d elements is not a whole number of 16-byte vectors (compute.gemm.unaligned_tflops
+        caps such GEMMs)."""
+        return np.mod(np.asarray(d, dtype=np.float64), 16.0 / self.dtype_bytes) != 0
+
     def gemm_seconds(self, m, n, k, layout: str | None = None, batch=1):
         """Seconds of one C[m,n] = A[m,k] @ B[k,n] call, launch included, and whether each shape was
         extrapolated. A measured table already holds whole calls; the curve adds kernel_overhead, and where the
@@ -422,8 +427,7 @@ class MachineProfile:
                 eff = eff * wave_efficiency(m, n, batch, *self.gemm_waves)
             t_compute = flop / (self.gemm_ceiling * eff * scale)
             if self.gemm_unaligned is not None:
-                vec = 16.0 / self.dtype_bytes  # elements per 16-byte vector
-                off = (np.mod(m, vec) != 0) | (np.mod(n, vec) != 0) | (np.mod(k, vec) != 0)
+                off = self.unaligned(m) | self.unaligned(n) | self.unaligned(k)
                 t_compute = np.where(off, np.maximum(t_compute, flop / (self.gemm_unaligned * scale)), t_compute)
             t_memory = (m * k + k * n + m * n) * self.dtype_bytes / (self.mem_bandwidth * scale)
             return np.maximum(t_compute, t_memory) + self.launch_cost, np.zeros(shape, dtype=bool)
