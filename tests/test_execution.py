@@ -544,6 +544,30 @@ def test_unaligned_gemm_runs_at_most_at_the_profiles_rate_by_hand():
         profile_from_dict(d, "test profile")
 
 
+def test_a_sustained_fraction_prices_gemms_at_the_clock_held_under_load_by_hand():
+    """compute.gemm.sustained_fraction f: the curve runs at f x ceiling_tflops, so a compute-bound GEMM (dim_half
+    given as a number) takes 1/f as long, launch aside; a profile without it is the burst ceiling; the bundled H100
+    carries 0.88 (H200 MSMF / MAMF, same die and power limit): 794.5 x 0.88 = 699.16 TFLOP/s; above 1 is refused."""
+    from axoplan.planner.machine import load_profile, profile_from_dict
+    from tests.conftest import profile_dict
+
+    burst = profile_from_dict(profile_dict(), "burst")
+    d = profile_dict()
+    d["compute"]["gemm"]["sustained_fraction"] = {"value": 0.5, "source": "test"}
+    held = profile_from_dict(d, "held")
+    assert (burst.gemm_sustained, held.gemm_sustained) == (1.0, 0.5)
+    m = n = k = 8192  # eff = (8192 / 8240)^3 of the ceiling; far above the memory-traffic time
+    t_b = burst.gemm_seconds(m, n, k)[0] - burst.launch_cost
+    t_h = held.gemm_seconds(m, n, k)[0] - held.launch_cost
+    assert t_b == pytest.approx(2 * m * n * k / (280e12 * (8192 / 8240) ** 3))
+    assert t_h == pytest.approx(2 * t_b)
+    assert load_profile("dgx-h100").gemm_ceiling == pytest.approx(794.5e12 * 0.88)
+    assert load_profile("dgx-a100").gemm_sustained == 1.0  # no measurement of the A100's: the burst ceiling
+    d["compute"]["gemm"]["sustained_fraction"] = {"value": 1.2, "source": "test"}
+    with pytest.raises(UserError, match="sustained_fraction.*at most 1"):
+        profile_from_dict(d, "test profile")
+
+
 def test_explain_names_the_unaligned_gemm_dimensions():
     """gpt-20b (hidden 7168) split 256 ways over gx leaves 28 columns per GPU in its qkv, fc1 and LM-head inputs
     and attention-output and fc2 outputs: explain names them and the cap; an aligned grid gets no such note."""

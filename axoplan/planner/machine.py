@@ -41,7 +41,7 @@ NUM, TEXT, FLAG, FREE = "number", "text", "flag", "free"
 TABLE_KEYS = {"path": TEXT, "source": TEXT}  # {path: FILE.csv, source: ...} beside a section
 MEMORY_KEYS = {"source": TEXT, "capacity_gib": NUM, "headroom_gib": NUM, "bandwidth_gbs": NUM,
                "elementwise_efficiency": NUM}
-GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "dim_half": NUM, "unaligned_tflops": NUM, "table": TABLE_KEYS,
+GEMM_KEYS = {"source": TEXT, "ceiling_tflops": NUM, "sustained_fraction": NUM, "dim_half": NUM, "unaligned_tflops": NUM, "table": TABLE_KEYS,
              "waves": {"sms": FREE, "tiles": FREE, "source": TEXT}}
 ATTENTION_KEYS = {"source": TEXT, "tflops": NUM, "causal_skip": FLAG, "backward_factor": NUM, "table": TABLE_KEYS,
                   "throughput": [{"seq": NUM, "head_dim": NUM, "fwd_tflops": NUM, "bwd_tflops": NUM, "source": TEXT}]}
@@ -273,7 +273,7 @@ class MachineProfile:
     elementwise_efficiency: float
     peak_flops: float
     kernel_overhead: float  # s per kernel
-    gemm_ceiling: float  # FLOP/s
+    gemm_ceiling: float  # FLOP/s held under sustained full load (ceiling_tflops x sustained_fraction)
     # each GEMM dimension d runs at d/(d + dim_half) of the ceiling; None: the memory-traffic rule (gemm_half)
     gemm_dim_half: float | None
     attn_flops: float
@@ -306,6 +306,9 @@ class MachineProfile:
     # compute.gemm.unaligned_tflops (FLOP/s): the most a GEMM any of whose dimensions is not a whole number of
     # 16-byte vectors runs at (the BLAS's kernels for such operands); None: not modelled
     gemm_unaligned: float | None = None
+    # compute.gemm.sustained_fraction: the share of ceiling_tflops (a burst measurement) a GPU holds at its power
+    # limit under full load; gemm_ceiling already carries it
+    gemm_sustained: float = 1.0
 
     # ---- for people ---------------------------------------------------------------
     @property
@@ -1061,6 +1064,9 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         rd.fail("compute.attention.causal_skip", "must be true or false")
 
     peak = rd.num(comp, "peak_tflops", "compute")
+    sustained = rd.num(gemm, "sustained_fraction", "compute.gemm", default=1.0)
+    if sustained > 1.0:
+        rd.fail("compute.gemm.sustained_fraction", f"must be at most 1 (a share of ceiling_tflops), got {sustained:g}")
     unaligned = rd.num(gemm, "unaligned_tflops", "compute.gemm") if gemm.get("unaligned_tflops") is not None else None
     for sec, key, val in (("compute.gemm", "ceiling_tflops", rd.num(gemm, "ceiling_tflops", "compute.gemm")),
                           ("compute.gemm", "unaligned_tflops", unaligned or 0.0),
@@ -1090,7 +1096,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         shared_cores=_shared_cores(comp, rd, _kind(d, rd)),
-        gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * TFLOP,
+        gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * sustained * TFLOP,
+        gemm_sustained=sustained,
         gemm_dim_half=_dim_half(gemm, rd),
         gemm_waves=_waves(gemm, rd),
         gemm_unaligned=unaligned * TFLOP if unaligned is not None else None,
