@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from axoplan.calibrate import gemm, memory  # noqa: E402
 from axoplan.calibrate.collectives import crosses_nodes, group_shapes, groups_of  # noqa: E402
-from axoplan.calibrate.timing import time_call  # noqa: E402
+from axoplan.calibrate.timing import settle_clock, time_call  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", gemm.LAYOUTS)
@@ -57,6 +57,31 @@ def test_time_call_and_memory_ops_run():
     att = []
     memory.run_attention([(1, 2, 16, 8)], torch.float32, torch.device("cpu"), lambda xs: xs, att.append, repeats=2)
     assert len(att) == 4 and all(r.seconds > 0 for r in att)
+
+
+def test_settle_clock_runs_until_the_rate_stops_falling_by_hand():
+    """A device that runs 1 call/ms cold and loses 5% of its rate every 100 calls until the 400th (its loaded clock):
+    after the 1-call probe, 0.1 s windows of 100 calls run at about 1000, 950, 900, 850, then 800 twice, and it stops
+    there; one whose rate keeps falling stops when max_s has passed."""
+    done = [0]
+
+    def batch(fn, calls):  # simulated seconds: each call at the rate of the calls run before it
+        t = 0.0
+        for _ in range(calls):
+            t += 1e-3 / (1.0 - 0.05 * min(done[0] // 100, 4))
+            done[0] += 1
+        return t
+
+    rates = settle_clock(lambda: None, window_s=0.1, max_s=20.0, tol=0.01, batch=batch)
+    assert rates == pytest.approx([1000, 950, 900, 850, 800, 800], rel=2e-3)
+    windows = []
+
+    def slowing(fn, calls):  # every window 10% longer than the one before
+        windows.append(calls)
+        return 1e-3 * calls * 1.1 ** len(windows)
+
+    # the probe (1.1 ms) sets 90 calls a window; windows of 0.109, 0.120, 0.132 s: past 0.35 s after the third
+    assert len(settle_clock(lambda: None, window_s=0.1, max_s=0.35, tol=0.0, batch=slowing)) == 3
 
 
 def test_tiny_two_rank_calibration_writes_a_profile(tmp_path):

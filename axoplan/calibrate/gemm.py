@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 LAYOUTS = ("NN", "NT", "TN")
+# the GEMM that brings a GPU to its loaded clock before the sweep (mamf-finder settles with 8192^3 too)
+SETTLE_SHAPE = 8192
 
 
 def pow2_values(lo: int, hi: int, step: int = 1) -> list[int]:
@@ -113,8 +115,12 @@ def run(shapes: list[tuple[int, int, int]], dtype, device, combine: Callable[[li
     every rank's list; the ranks compute at the same time, as in training."""
     import torch
 
-    from axoplan.calibrate.timing import time_window
+    from axoplan.calibrate.timing import settle_clock, time_window
 
+    if device.type == "cuda":  # time at the clock the GPU holds under full load, not the boost an idle one starts at
+        a, b = operands(SETTLE_SHAPE, SETTLE_SHAPE, SETTLE_SHAPE, "NN", dtype, device)
+        settle_clock(lambda: torch.matmul(a, b), cuda=True)
+        del a, b
     items = [(m, n, k, layout) for (m, n, k) in shapes for layout in LAYOUTS]
     for win in windows(items):
         fns = []

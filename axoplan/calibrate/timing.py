@@ -49,6 +49,26 @@ def keep_busy(fn: Callable[[], object], handle) -> None:
     handle.wait()
 
 
+def settle_clock(fn: Callable[[], object], cuda: bool = False, window_s: float = 1.0, max_s: float = 20.0,
+                 tol: float = 0.01, batch: Callable[[Callable[[], object], int], float] | None = None) -> list[float]:
+    """Run `fn` back to back in windows of about `window_s` until a window's calls per second are no more than `tol`
+    below the previous window's, or `max_s` has passed; each window's rate, in order. An idle GPU runs large GEMMs
+    at its boost clock and, within seconds at full load, drops to the clock its power limit allows, which training
+    runs at (mamf-finder's settle-clock step: on an H200 the sustained rate is 0.88 of the burst one,
+    stas00/ml-engineering compute/accelerator/benchmarks/README.md); timed before that, a sweep reads fast."""
+    batch = batch or (_cuda_batch if cuda else _cpu_batch)
+    first = batch(fn, 1)
+    calls = max(1, int(window_s / max(first, 1e-9)))
+    rates, spent = [], first
+    while spent < max_s:
+        t = batch(fn, calls)
+        spent += t
+        rates.append(calls / max(t, 1e-12))
+        if len(rates) >= 2 and rates[-1] >= rates[-2] * (1.0 - tol):
+            break
+    return rates
+
+
 def time_call(fn: Callable[[], object], cuda: bool = False, warmup: int = 1, repeats: int = 5,
               min_batch_s: float = 2e-3, max_total_s: float | None = None,
               barrier: Callable[[], object] | None = None) -> Timing:
