@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, under 10 minutes: what axoplan predicts for this machine against what it measures.
+#   0. the GEMM rate in short bursts against the rate held under full load (benchmarks/gemm_sustained.py)
 #   1. axoplan calibrate --quick (GEMMs, memory, attention, trainer steps on this GPU)
 #   2. the bundled trainer on a 1B-class GPT: model TFLOP/s, % of peak, peak memory (max_memory_allocated)
 #   3. that peak against the planner's prediction and against `axoplan dryrun` (the same step, traced)
@@ -40,6 +41,9 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, keep its output, nev
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 } >"$OUT/machine.txt" 2>&1
 : >"$OUT/parts.txt"
+
+# 0. the GEMM rate in bursts against the rate held under full load (the profiles' gemm.sustained_fraction)
+part gemm-sustained 150 "$PY" benchmarks/gemm_sustained.py --profile "$PROFILE" --out "$OUT/gemm_sustained.json"
 
 # 1. calibration (quick), written beside everything else
 part calibrate 240 "${AX[@]}" calibrate --quick --out "$OUT/calibrated.yaml" --results "$OUT/calibration"
@@ -97,6 +101,9 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 s = {"parts": (out / "parts.txt").read_text().splitlines()}
+if (out / "gemm_sustained.json").exists():
+    g = json.loads((out / "gemm_sustained.json").read_text())
+    s["gemm_sustained"] = {k: g[k] for k in ("device", "shapes", "median_sustained_over_burst", "profile_sustained_fraction")}
 lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()] if (out / "train.jsonl").exists() else []
 summ = next((x for x in lines if x.get("summary")), None)
 if summ:

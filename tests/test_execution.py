@@ -563,6 +563,11 @@ def test_a_sustained_fraction_prices_gemms_at_the_clock_held_under_load_by_hand(
     assert t_h == pytest.approx(2 * t_b)
     assert load_profile("dgx-h100").gemm_ceiling == pytest.approx(794.5e12 * 0.88)
     assert load_profile("dgx-a100").gemm_sustained == 1.0  # no measurement of the A100's: the burst ceiling
+    from axoplan.planner.rank import explain
+
+    notes = explain("gpt-20b", "dgx-h100", 64, 64, grid=(1, 8, 1, 8)).notes
+    assert [n for n in notes if "699.2 TFLOP/s, 0.88 of its burst 794.5" in n]
+    assert not [n for n in explain("gpt-20b", "dgx-a100", 64, 64, grid=(1, 8, 1, 8)).notes if "sustained_fraction" in n]
     d["compute"]["gemm"]["sustained_fraction"] = {"value": 1.2, "source": "test"}
     with pytest.raises(UserError, match="sustained_fraction.*at most 1"):
         profile_from_dict(d, "test profile")

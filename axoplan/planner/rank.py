@@ -396,6 +396,10 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
                                                                                  else blas_tuning) else "as written (NN, NT, TN)")]
     if bool(ev1.extrapolated[0]):
         notes.append("some GEMM shapes fall outside the profile's measured table: their time is extrapolated")
+    if p.gemm_table is None and p.gemm_sustained < 1.0:
+        notes.append(f"GEMMs at the rate the GPU holds at its power limit under load: a ceiling of "
+                     f"{p.gemm_ceiling / 1e12:.4g} TFLOP/s, {p.gemm_sustained:g} of its burst "
+                     f"{p.gemm_ceiling / p.gemm_sustained / 1e12:.4g} (compute.gemm.sustained_fraction)")
     if off := unaligned_dims(p, m, int(one.gx[0]), int(one.gy[0]), int(one.micro_batch[0]) * job.seq_len,
                              ex.attention == "unfused"):
         notes.append("GEMM dimensions that are not a whole number of 16-byte vectors ("
