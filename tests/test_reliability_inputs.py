@@ -424,3 +424,33 @@ def test_any_config_key_set_to_nonsense_is_a_config_or_a_user_error(key, value):
         config_from_dict({key: value})
     except UserError as e:
         assert "\n" not in str(e) and len(str(e)) < 400
+
+
+PIPE_OPTS = st.lists(st.sampled_from(
+    [("--pp", v) for v in ("1", "2", "3", "4", "8", "all", "0", "-1", "x")] + [("--vpp", v) for v in ("1", "2", "3", "0")]
+    + [("--schedule", v) for v in ("1f1b", "interleaved-1f1b")] + [("--micro-batch", v) for v in ("1", "2", "3", "0")]
+    + [("--order", v) for v in ("xyz", "zyx", "pxyz", "xyzp", "every", "abc")]
+    + [("--seq-len", v) for v in ("7", "1000", "131072")] + [("--execution", v) for v in ("megatron-core", "torchtitan",
+                                                                                      "axonn", "megatron-deepspeed")]),
+    max_size=4, unique_by=lambda kv: kv[0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cmd=st.sampled_from(["rank", "explain"]), model=st.sampled_from(["gpt-tiny", "gpt-small", "gpt-20b", "llama3-8b"]),
+       machine=st.sampled_from(["dgx-a100", "dgx-h100", "frontier", "localhost-cpu"]),
+       gpus=st.sampled_from([1, 2, 6, 8, 16, 64, 256]), batch=st.sampled_from([1, 3, 8, 64, 512]),
+       grid=st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4])), opts=PIPE_OPTS)
+def test_rank_and_explain_over_any_pipeline_options_answer_or_say_one_sentence(capsys, cmd, model, machine, gpus, batch,
+                                                                              grid, opts):
+    """Whatever the pipeline, grid and placement options, valid or not: an answer (exit 0) or one error sentence."""
+    args = [cmd, "-m", model, "-p", machine, "-g", str(gpus), "-b", str(batch)]
+    if cmd == "explain":
+        pp = next((int(v) for k, v in opts if k == "--pp" and v.isdigit() and int(v) > 0), 1)
+        args += ["--grid", ",".join(map(str, grid)) + f",{max(1, gpus // (grid[0] * grid[1] * grid[2] * pp))}"]
+    else:
+        args += ["--top", "2"]
+    for k, v in opts:
+        args += [k, v]
+    code, out, err = run_cli(args, capsys)
+    if code != 0:
+        one_sentence(code, err)
