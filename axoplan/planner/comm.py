@@ -200,9 +200,10 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
     p = np.asarray(p, dtype=np.float64)
     n = np.maximum(np.asarray(nodes, dtype=np.float64), 1.0)
     bw = np.asarray(busbw, dtype=np.float64)
+    members = np.asarray(per_node, dtype=np.float64)
     ar = kind == "all_reduce"
-    steps = ring_steps(kind, p)
     net_steps = (2.0 if ar else 1.0) * (n - 1)
+    intra_steps = ring_steps(kind, p) - net_steps
     two = n <= 2
     ll_cap = np.where(two, pr.ll_max[0], pr.ll_max[1])
 
@@ -216,32 +217,33 @@ def protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, per_node, nod
         return hw + pr.net_latency * (2.0 if pro.name == "Simple" else 1.0)
 
     tree_net = {pro.name: pro.net for pro in pr.tree}
-    one = np.asarray(per_node, dtype=np.float64) <= 1
-    log_size = _log_size(nb)
+    one = members <= 1
+    # the size tables' index, only where a row reads one (the tree's corrections, RCCL's ring corrections)
+    log_size = _log_size(nb) if ar or any(pro.size_correction for pro in pr.ring) else None
+    volume = ring_volume(kind, p, nb)  # the same bytes whatever the protocol
     best = np.inf
     for pro in pr.ring:
-        net = net_of(pro, np.where(one, tree_net.get(pro.name, pro.net), pro.net))
-        lat = pro.base + (steps - net_steps) * pro.intra + net_steps * net
+        net = pro.net if pro.name not in tree_net else np.where(one, tree_net[pro.name], pro.net)
+        lat = pro.base + intra_steps * pro.intra + net_steps * net_of(pro, net)
         if ar and pro.name == "Simple":
             lat = lat * pr.ring_plateau
         b = bus(pro, bw)
         if pro.size_correction:
             b = b * _by_size(pro.size_correction, log_size)
-        best = np.minimum(best, lat * lat_scale + ring_volume(kind, p, nb) / b)
+        best = np.minimum(best, lat * lat_scale + volume / b)
     if ar:
         lg = np.floor(np.log2(n))  # NCCL's log2i(nNodes), as its logSize: floor
         tree_bw = np.where(two, pr.two_node_tree_factor, 1.0) * bw
         for pro in pr.tree:
             corr = _tree_factor(pro, pro.name, log_size)
-            lat = pro.base + 2.0 * ((np.asarray(per_node, dtype=np.float64) - 1) * pro.intra + lg * net_of(pro, pro.net))
+            lat = pro.base + 2.0 * ((members - 1) * pro.intra + lg * net_of(pro, pro.net))
             best = np.minimum(best, lat * lat_scale + nb / (0.5 * bus(pro, tree_bw) * corr))
         for pro in pr.nvls_tree:  # NVLSTree: one head per member and NIC, its NIC doubled on 2 nodes
-            members = np.asarray(per_node, dtype=np.float64)
             heads = np.minimum(pr.channels, members)
             bus_nv = np.minimum(np.where(two, 2.0, 1.0) * bw, heads * np.where(two, *pro.per_channel))
             # a pipelined tree too: NCCL's tree correction (which NCCL applies to NVLSTree from Blackwell on)
             corr = _tree_factor(pro, "Simple", log_size)
-            lat = pro.base + pro.intra + 2.0 * np.floor(np.log2(n)) * net_of(pro, pro.net)
+            lat = pro.base + pro.intra + 2.0 * lg * net_of(pro, pro.net)
             t = lat * lat_scale + nb * 2.0 * (p - 1) / (p * bus_nv * corr)
             best = np.where((members >= 2) & (n > 1), np.minimum(best, t), best)
     return best
