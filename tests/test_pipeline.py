@@ -539,3 +539,48 @@ def test_walk_transfers_per_boundary():
     one[:, 2] = 3.0
     ends, _ = P.shared_rank_end_times("1f1b", 4, 1, 8, sec, one, np.ones(5))
     assert np.allclose(ends, P.rank_end_times("1f1b", 4, 1, 8, sec, one), rtol=1e-12)
+
+
+def test_megatron_cores_data_parallel_reduction_beside_the_pipeline_by_hand():
+    """stage_timing.data_parallel_exposed with compute slowed 20% beside a collective (a collective b beside
+    compute a takes max(b, a + b/6)). Without interleaving (pp 2; forward 1 s, backward 2 s a micro-batch;
+    reduction 3 s, all-gather 0.5 s): the first rank reduces beside its last backward, max(3, 2 + 0.5) - 2 = 1 s
+    past it, and the others after theirs, 3 s; each gathers beside its first forward, max(0.5, 1 + 0.5/6) - 1 =
+    1/12 s. Interleaved (vpp 2): half the reduction beside the 2 backwards of the chunk below (4 s): 4 + 2/6 - 4,
+    and the lowest chunk's half after the last backward: 2 s."""
+    from axoplan.planner.stage_timing import data_parallel_exposed
+    from axoplan.planner.timing import overlapped
+
+    def beside(a, b):
+        return overlapped(a, b, 1.0, 0.2)
+
+    one = data_parallel_exposed(np.full((2, 1), 3.0), np.full((2, 1), 0.5), np.ones((2, 1)), np.full((2, 1), 2.0),
+                                2, 1, beside)
+    assert one[:, 0] == pytest.approx([1 + 1 / 12, 3 + 1 / 12])
+    two = data_parallel_exposed(np.full((2, 1), 4.0), np.zeros((2, 1)), np.ones((4, 1)), np.full((4, 1), 2.0),
+                                2, 2, beside)
+    assert two[:, 0] == pytest.approx([2 / 6 + 2, 2 / 6 + 2])
+
+
+def test_megatron_cores_pipelined_ranking_is_its_walk_and_hides_at_most_its_reduction():
+    """The bound that prunes the walk stays below the walk with the reduction beside the pipeline (the best 3 of a
+    pruned ranking are those of the whole walk); each pipelined candidate gains at most its reduction and
+    all-gather over the blocking execution, never loses."""
+    import dataclasses
+
+    import axoplan
+    from axoplan.planner.execution import PRESETS
+
+    core = PRESETS["megatron-core"]
+    job = dict(model="gpt-20b", machine="dgx-h100", gpus=64, global_batch=128, pp=4, execution=core)
+    pruned = axoplan.rank(top=3, **job)
+    whole = axoplan.rank(include_infeasible=True, **job)
+    best = whole[whole.feasible].sort_values("batch_time_s").head(3)
+    assert list(pruned.batch_time_s) == pytest.approx(list(best.batch_time_s), rel=1e-12)
+    blocking = axoplan.rank(include_infeasible=True, **dict(job, execution=dataclasses.replace(
+        core, pipeline_dp_overlap=False)))
+    key = ["gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "vpp", "schedule"]
+    both = whole.merge(blocking, on=key, suffixes=("", "_blocking")).dropna(subset=["batch_time_s"])
+    assert len(both) > 10
+    gain = both.batch_time_s_blocking - both.batch_time_s
+    assert (gain >= -1e-12).all() and (gain <= both.comm_s_blocking + 1e-12).all() and gain.max() > 0

@@ -60,6 +60,14 @@ class Execution:
     overlap_grad_reduce: bool = Overlap().data_parallel
     # optimizer sharding: the D all-gather of the updated weights beside the next step's first forward
     overlap_param_gather: bool = False
+    # with a pipeline, the D reductions beside its compute as Megatron-Core's schedules place them
+    # (megatron/core/pipeline_parallel/schedules.py, with --overlap-grad-reduce): without interleaving the first
+    # stage reduces during its last backward and the others after theirs, in the cooldown bubble; interleaved,
+    # each rank reduces a model chunk's gradients once that chunk's last backward is done, beside the backward
+    # passes of the chunks below it, the lowest chunk's after the rank's last; with overlap_param_gather the next
+    # step's weight all-gather runs while a rank waits for its first input and beside its first forwards.
+    # false: one blocking reduction after the rank's last backward (the bundled trainer, DeepSpeed's engine)
+    pipeline_dp_overlap: bool = False
     # the forward's tensor-parallel collectives pipelined with their own GEMMs (Megatron --tp-comm-overlap)
     tp_comm_overlap: bool = False
     # the backward's tensor-parallel dI all-reduce beside the layer's dW GEMM (Megatron-LM's async all-reduce,
@@ -288,7 +296,7 @@ PRESETS = {
     "megatron-core": Execution(
         "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
-        pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer",
+        pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer", pipeline_dp_overlap=True,
         grid_axes="yd", placement="yzx", pipeline_inside_data=True,
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "

@@ -125,19 +125,51 @@ def rank_collective_rows(profile: MachineProfile, sched: Schedule, model: ModelS
 
 
 def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Candidates, ex: Execution,
-               seq_len: int, blocks, first: bool, last: bool):
-    """(seconds of the gradient reduction and other once-per-step collectives, optimizer seconds) of a rank
-    holding `blocks` blocks (the embedding on the first, the LM head and final norm on the last)."""
+               seq_len: int, blocks, first: bool, last: bool, overlap: bool = False):
+    """(seconds of the gradient reduction and other once-per-step collectives, optimizer seconds, of those the
+    gradient reduction's and the weights' all-gather's where the execution runs them beside the pipeline's
+    compute (Execution.pipeline_dp_overlap, with overlap on; else 0)) of a rank holding `blocks` blocks (the
+    embedding on the first, the LM head and final norm on the last)."""
     step, shard = rank_step_collectives(profile, sched, model, c, ex, seq_len, blocks, first, last)
     hx = model.hidden / c.gx
     e = profile.dtype_bytes
     dp = sum(s.seconds * s.calls for s in step)
+    beside = overlap and ex.pipeline_dp_overlap
+    rs = sum(s.seconds * s.calls for s in step if s.layer == "gradients") if beside and ex.overlap_grad_reduce else 0.0
+    ag = sum(s.seconds * s.calls for s in step if s.layer == "weights") if beside and ex.overlap_param_gather else 0.0
     stage_model = dataclasses.replace(model, n_layers=1)  # the replicated count follows `blocks` below
     w = work.step_work(stage_model, c.gx, c.gz, c.gdata, c.micro_batch, seq_len, sched.grad_acc, shard,
                        work.fused_optimizer(profile), ex, e)
     # step_work counts one block's replicated tensors: the rest are the per-tensor work of blocks - 1 more
     extra = work.Work(16 * 2 * hx * (blocks - 1), 0)
-    return dp, work.optimizer_seconds(profile, w + extra)
+    return dp, work.optimizer_seconds(profile, w + extra), rs, ag
+
+
+def data_parallel_exposed(rs, ag, fwd_t, bwd_t, pp: int, vpp: int, side_by_side) -> np.ndarray:
+    """[pp, n]: the seconds each pipeline rank's gradient reduction (rs [pp, n]) and next weight all-gather
+    (ag [pp, n]) add past the end of its last backward where they run beside the pipeline as Megatron-Core
+    schedules them (Execution.pipeline_dp_overlap). fwd_t, bwd_t [pp * vpp, n]: one micro-batch's forward and
+    backward of each virtual stage; side_by_side(a, b): compute a beside a collective b (timing).
+    - Without interleaving the first rank reduces beside its last backward; every other rank after its own last
+      backward, in the cooldown (nothing of its to hide behind).
+    - Interleaved, each of a rank's vpp chunks reduces its share once its last backward is done, beside the pp
+      backward passes of the chunk below it that follow; the lowest chunk's share after the rank's last backward.
+    - The all-gather runs beside the rank's first forward of each chunk: each bucket's is waited for, and the
+      next one's issued, by the forward pre-hook of the layers it holds (megatron/core/distributed)."""
+    rs, ag = np.asarray(rs, dtype=np.float64), np.asarray(ag, dtype=np.float64)
+    chunk = lambda x, r, k: x[r + k * pp]  # noqa: E731  a rank's k-th virtual stage
+    out = []
+    for r in range(pp):
+        if vpp == 1:
+            hide = bwd_t[0] if r == 0 else np.zeros_like(bwd_t[0])
+            rs_beside, rs_after = (rs[r], 0.0) if r == 0 else (0.0, rs[r])
+        else:
+            hide = sum(pp * chunk(bwd_t, r, k - 1) for k in range(1, vpp))
+            rs_beside, rs_after = rs[r] * (vpp - 1) / vpp, rs[r] / vpp
+        exposed = side_by_side(hide, rs_beside) - hide + rs_after
+        first = sum(chunk(fwd_t, r, k) for k in range(vpp))
+        out.append(exposed + side_by_side(first, ag[r]) - first)
+    return np.stack(out)
 
 
 @dataclass
@@ -260,11 +292,16 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
     L = model.n_layers
     # the rank's once-per-step work: first, the heaviest middle rank (1), last
     ranks = {"first": 0, "middle": 1, "last": None}
-    after = {}
+    after, bound_after = {}, {}
+    keep = timing.slow / (1.0 + timing.slow)  # of a collective beside compute, at least this share shows
     for kind, (first, last) in KINDS.items():  # (on the distinct candidates: their blocks per rank are c's)
         r = np.asarray(cs.pp) - 1 if last else ranks[kind]
-        dp, opt = _rank_step(profile, sched, model, cs, ex, seq_len, rank_blocks(L, cs.pp, cs.vpp, r), first, last)
-        after[kind] = (Lazy(dp), Lazy(opt))
+        dp, opt, rs, ag = _rank_step(profile, sched, model, cs, ex, seq_len, rank_blocks(L, cs.pp, cs.vpp, r), first,
+                                     last, overlap)
+        after[kind] = (Lazy(dp), Lazy(opt), Lazy(rs), Lazy(ag))
+        # the bounds' share: what no overlap hides (data_parallel_exposed shows at least keep x what runs beside)
+        bound_after[kind] = (Lazy(dp - (1.0 - keep) * (np.asarray(rs) + np.asarray(ag))), Lazy(opt))
+    beside = overlap and ex.pipeline_dp_overlap and (ex.overlap_grad_reduce or ex.overlap_param_gather)
 
     # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
     flat_parts = {}
@@ -341,8 +378,12 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
             ends, ran = shared_rank_end_times(SCHEDULES[s_], p_, v_, m[idx], seconds, send, f, waiting)
             share = ran / np.maximum(mm * per_rank_work, 1e-300)
         kinds = ["first"] + ["middle"] * (p_ - 2) + ["last"]
-        finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[[list(KINDS).index(k)
-                                                                                        for k in kinds]]
+        order = [list(KINDS).index(k) for k in kinds]
+        finish = ends + np.stack([after[k][0][idx] + after[k][1][idx] for k in KINDS])[order]
+        if beside:  # the reduction and the all-gather run beside the pipeline: only what shows past each end
+            rs_k, ag_k = (np.stack([after[k][j][idx] for k in KINDS])[order] for j in (2, 3))
+            finish = finish - rs_k - ag_k + data_parallel_exposed(rs_k, ag_k, fwd_t, bwd_t, p_, v_,
+                                                                  timing.side_by_side)
         rk = np.argmax(finish, axis=0)
         col = np.arange(len(idx))
         per_rank_comp = per_rank(comp_s)
@@ -370,14 +411,14 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         terms = linear_terms({key: [a.raw for a in xs] for key, xs in flat_parts.items()}, np.asarray(sched.checkpointing))
         if walk.bound_all:
             lin = map_terms(terms, to_c)
-            ends = {k: tuple(a.full() for a in after[k]) for k in KINDS}
+            ends = {k: tuple(a.full() for a in bound_after[k]) for k in KINDS}
             for k, v in bounds_of_terms(lin, ends, c.pp, c.vpp, m_raw, np.asarray(to_c(sched.p2p_fastest(profile))),
                                         L, ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.broadcast_to(v, shape).reshape(-1)
         else:  # the feasible candidates' bounds, gathered
             at = Index.of(np.flatnonzero(np.asarray(walk.feasible).reshape(-1)))
             lin = map_terms(terms, lambda x: Lazy(x)[at])
-            ends = {k: tuple(a[at] for a in after[k]) for k in KINDS}
+            ends = {k: tuple(a[at] for a in bound_after[k]) for k in KINDS}
             for k, v in bounds_of_terms(lin, ends, pp[at], vpp[at], m[at], fastest[at], L,
                                ex.pipeline_blocking_p2p).items():
                 out[k][:] = np.nan
