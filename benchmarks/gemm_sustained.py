@@ -55,28 +55,23 @@ def main(argv=None) -> int:
     def rate(m, n, k, seconds, calls):
         return 2.0 * m * n * k * calls / seconds / 1e12
 
-    rows = []
-    for m, n, k in shapes:
+    def gemm(m, n, k):
         x, y = operands(m, n, k, "NN", dtype, device)
         out = torch.empty(m, n, dtype=dtype, device=device)
+        return lambda: torch.matmul(x, y, out=out)
 
-        def fn(x=x, y=y, out=out):
-            return torch.matmul(x, y, out=out)
+    fns = [gemm(*shape) for shape in shapes]
+    rows = []
+    for (m, n, k), fn in zip(shapes, fns):
         fn()
         bursts = []
         for _ in range(5):
             time.sleep(0.25)  # idle: the clock climbs back to boost
             bursts.append(rate(m, n, k, batch(fn, 10), 10))
         rows.append({"shape": f"{m}x{n}x{k}", "burst_tflops": statistics.median(bursts)})
-    sx, sy = operands(*(8192,) * 3, "NN", dtype, device) if cuda else operands(512, 512, 512, "NN", dtype, device)
-    settled = settle_clock(lambda: torch.matmul(sx, sy), cuda=cuda, window_s=1.0 if cuda else 0.05,
-                           max_s=20.0 if cuda else 0.5)
-    for row, (m, n, k) in zip(rows, shapes):
-        x, y = operands(m, n, k, "NN", dtype, device)
-        out = torch.empty(m, n, dtype=dtype, device=device)
-
-        def fn(x=x, y=y, out=out):
-            return torch.matmul(x, y, out=out)
+    settle = gemm(*((8192,) * 3 if cuda else (512,) * 3))
+    settled = settle_clock(settle, cuda=cuda, window_s=1.0 if cuda else 0.05, max_s=20.0 if cuda else 0.5)
+    for row, (m, n, k), fn in zip(rows, shapes, fns):
         one = batch(fn, 1)
         calls = max(2, int(window / max(one, 1e-9)))
         row["sustained_tflops"] = rate(m, n, k, batch(fn, calls), calls)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -173,6 +173,7 @@ class StallFit:
     stalled: int
     rows: int
     curves: int
+    members: tuple = field(default=(), repr=False, compare=False)  # the band's rows: their indices in find_stalls' rows
 
 
 def find_stalls(rows: Sequence[dict]) -> list[StallFit]:
@@ -182,6 +183,7 @@ def find_stalls(rows: Sequence[dict]) -> list[StallFit]:
     of such parts among those measured, its step the median seconds per ring step over every row in it (those that
     did not stall too). A part stalled on one curve alone is noise, not a band."""
     out = []
+    index = {id(r): i for i, r in enumerate(rows)}
     for kind in sorted({r["collective"] for r in rows}):
         kr = [r for r in rows if r["collective"] == kind]
         by_curve = defaultdict(list)
@@ -205,5 +207,6 @@ def find_stalls(rows: Sequence[dict]) -> list[StallFit]:
             band = [r for r in kr if part[id(r)] in best]
             out.append(StallFit(kind, 2.0 ** best[0], 2.0 ** best[-1],
                                 float(np.median([r["seconds"] / max(r["size"] - 1, 1) for r in band])),
-                                sum(flags[id(r)] for r in band), len(band), len({r["curve"] for r in band})))
+                                sum(flags[id(r)] for r in band), len(band), len({r["curve"] for r in band}),
+                                tuple(index[id(r)] for r in band)))
     return out

@@ -362,14 +362,12 @@ def _device_section(meta: dict, tag: str) -> dict:
 def _stalls_part(rows: list[dict], tag: str) -> tuple[list[dict], set]:
     """network.stalls from the groups crossing nodes (fit.find_stalls: a band of each rank's part where calls took
     longer than larger ones, on two thirds of the group shapes that measured it) and the ids of the rows in a band."""
-    from axoplan.calibrate.fit import STALL_RATIO, find_stalls, part_bin
+    from axoplan.calibrate.fit import STALL_RATIO, find_stalls
 
     cross = [dict(r, curve=(r["collective"], r["size"], r["stride"]), src=id(r)) for r in rows if r["crosses_nodes"]]
     out, in_band = [], set()
     for f in find_stalls(cross):
-        band = [r for r in cross if r["collective"] == f.collective
-                and f.lo <= 2.0 ** part_bin(r["bytes"], r["size"]) <= f.hi]
-        in_band |= {r["src"] for r in band}
+        in_band |= {cross[i]["src"] for i in f.members}
         out.append({"collective": f.collective, "per_rank_kib": [_r(f.lo / 1024, 4), _r(f.hi / 1024, 4)],
                     "step_us": _r(f.step * 1e6, 4), "source": (
                         f"{tag}; {f.stalled} of the {f.rows} calls of groups crossing nodes whose every rank's part was "

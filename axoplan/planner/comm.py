@@ -270,10 +270,11 @@ def node_protocol_time(pr: gpu_physics.Protocols, kind: str, nbytes, p, busbw, l
 
     ar = kind == "all_reduce"
     log_size = _log_size(nb) if ar or any(pro.size_correction for pro in node.ring) else None
+    volume = ring_volume(kind, p, nb)  # the same bytes whatever the protocol
     best = np.inf
     for pro in node.ring:
         b = bus(pro) * _by_size(pro.size_correction, log_size) if pro.size_correction else bus(pro)
-        best = np.minimum(best, (pro.base + steps * pro.intra) * scale + ring_volume(kind, p, nb) / b)
+        best = np.minimum(best, (pro.base + steps * pro.intra) * scale + volume / b)
     if ar:
         for pro in node.tree:
             corr = _tree_factor(pro, pro.name, log_size)

@@ -1068,7 +1068,8 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     if sustained > 1.0:
         rd.fail("compute.gemm.sustained_fraction", f"must be at most 1 (a share of ceiling_tflops), got {sustained:g}")
     unaligned = rd.num(gemm, "unaligned_tflops", "compute.gemm") if gemm.get("unaligned_tflops") is not None else None
-    for sec, key, val in (("compute.gemm", "ceiling_tflops", rd.num(gemm, "ceiling_tflops", "compute.gemm")),
+    ceiling = rd.num(gemm, "ceiling_tflops", "compute.gemm")
+    for sec, key, val in (("compute.gemm", "ceiling_tflops", ceiling),
                           ("compute.gemm", "unaligned_tflops", unaligned or 0.0),
                           ("compute.attention", "tflops", rd.num(attn, "tflops", "compute.attention"))):
         if val > peak * (1 + 1e-9):
@@ -1096,7 +1097,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         peak_flops=peak * TFLOP,
         kernel_overhead=rd.num(comp, "kernel_overhead_us", "compute", default=0.0, allow_zero=True) * US,
         shared_cores=_shared_cores(comp, rd, _kind(d, rd)),
-        gemm_ceiling=rd.num(gemm, "ceiling_tflops", "compute.gemm") * sustained * TFLOP,
+        gemm_ceiling=ceiling * sustained * TFLOP,
         gemm_sustained=sustained,
         gemm_dim_half=_dim_half(gemm, rd),
         gemm_waves=_waves(gemm, rd),

@@ -134,7 +134,7 @@ def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Ca
     hx = model.hidden / c.gx
     e = profile.dtype_bytes
     dp = sum(s.seconds * s.calls for s in step)
-    beside = overlap and ex.pipeline_dp_overlap
+    beside = _dp_beside(ex, overlap)
     rs = sum(s.seconds * s.calls for s in step if s.layer == "gradients") if beside and ex.overlap_grad_reduce else 0.0
     ag = sum(s.seconds * s.calls for s in step if s.layer == "weights") if beside and ex.overlap_param_gather else 0.0
     stage_model = dataclasses.replace(model, n_layers=1)  # the replicated count follows `blocks` below
@@ -143,6 +143,11 @@ def _rank_step(profile: MachineProfile, sched: Schedule, model: ModelSpec, c: Ca
     # step_work counts one block's replicated tensors: the rest are the per-tensor work of blocks - 1 more
     extra = work.Work(16 * 2 * hx * (blocks - 1), 0)
     return dp, work.optimizer_seconds(profile, w + extra), rs, ag
+
+
+def _dp_beside(ex: Execution, overlap: bool) -> bool:
+    """Whether a pipeline's D reduction or weight all-gather runs beside its compute (data_parallel_exposed)."""
+    return overlap and ex.pipeline_dp_overlap and (ex.overlap_grad_reduce or ex.overlap_param_gather)
 
 
 def data_parallel_exposed(rs, ag, fwd_t, bwd_t, pp: int, vpp: int, side_by_side) -> np.ndarray:
@@ -301,7 +306,7 @@ def pipeline_step_time(profile: MachineProfile, sched: Schedule, model: ModelSpe
         after[kind] = (Lazy(dp), Lazy(opt), Lazy(rs), Lazy(ag))
         # the bounds' share: what no overlap hides (data_parallel_exposed shows at least keep x what runs beside)
         bound_after[kind] = (Lazy(dp - (1.0 - keep) * (np.asarray(rs) + np.asarray(ag))), Lazy(opt))
-    beside = overlap and ex.pipeline_dp_overlap and (ex.overlap_grad_reduce or ex.overlap_param_gather)
+    beside = _dp_beside(ex, overlap)
 
     # per stage kind and pass, run_windows' parts and the compute and collective sums, flattened once
     flat_parts = {}
