@@ -134,6 +134,9 @@ class Run:
     oom: bool = False  # the source says it ran out of memory (measured_s is then nan)
     # the source's memory per GPU where it gives one (BLOOM's: nvidia-smi's, the process's whole footprint)
     measured_mem_gib: float | None = None
+    # the machine's state as the source records it where it changed during the runs (BLOOM's 02-25 fix); reported
+    # per state, never used in the prediction
+    machine_state: str = ""
 
 
 def read_table(name: str) -> list[dict]:
@@ -272,6 +275,11 @@ def _swapped(rows: list[dict]) -> set:
     return {i for (k, t, tf), i in pairs.items() if t is not None and t != tf and pairs.get((k, tf, t), i) < i}
 
 
+# the source on 02-25 ('GBS Variations'): "A100s PCI-Express/NUMA was improved today so all TFLOPs have changed for the
+# better (1-5%) - thus do not compare today's numbers to yesterday's" (chronicles-prequel.md @9e64edec)
+BLOOM_FIX = ("before the 02-25 PCIe/NUMA fix", "02-25", "from the 02-25 fix on")
+
+
 def bloom():
     src = "bloom_tr11_topology_search_jeanzay_a100.csv"
     runs, out = [], []
@@ -324,7 +332,8 @@ def bloom():
                         "full activation checkpointing" in r["framework"], float("nan") if oom else t,
                         group, ["OOM in the source"] if oom else [],
                         MEGATRON_DEEPSPEED_BF16 if "BF16 optimizer" in r["notes"] else MEGATRON_DEEPSPEED,
-                        pp=int(r["pp"]), oom=oom, measured_mem_gib=memory_gib(r["max_mem"])))
+                        pp=int(r["pp"]), oom=oom, measured_mem_gib=memory_gib(r["max_mem"]),
+                        machine_state=BLOOM_FIX[0] if r["date_2022"] < BLOOM_FIX[1] else BLOOM_FIX[2]))
     return runs, out
 
 
@@ -399,6 +408,16 @@ def predict(run: Run, profile) -> dict:
             "meas_pct_peak": float(s["pct_of_peak"]) * pred / run.measured_s,
             "tokens_per_gpu_pred": run.global_batch * run.seq_len / (pred * run.gpus),
             "tokens_per_gpu_meas": run.global_batch * run.seq_len / (run.measured_s * run.gpus)}
+
+
+def machine_states(rows: list[dict]) -> list[tuple]:
+    """(state, rows, median pred/meas) per machine state of a dataset's judged rows, in the order they first
+    appear; [] where the source records one state."""
+    states = list(dict.fromkeys(r["machine_state"] for r in rows))
+    if len(states) < 2:
+        return []
+    return [(st, len(sel), float(np.median(sel)))
+            for st in states for sel in [[r["ratio"] for r in rows if r["machine_state"] == st]]]
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -564,6 +583,7 @@ def main(argv=None) -> int:
                      "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
                      "tp": run.grid[1], "pp": run.pp, "dp": run.grid[3], "layers": run.model.n_layers,
                      "execution": run.execution.name, "measured_mem_gib": run.measured_mem_gib,
+                     "machine_state": run.machine_state,
                      # what the model sees of a run: rows equal in it are the same configuration
                      "config": (run.model, run.grid, run.order, run.pp, run.vpp, run.schedule, run.micro_batch,
                                 run.checkpointing, run.execution.name, run.global_batch, run.seq_len), **p})
@@ -573,6 +593,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if r["dataset"] == ds and "ratio" in r]
         summary[ds]["profile"] = profiles[ds].name
         summary[ds]["worst"] = sorted(ok, key=lambda r: -abs(np.log(r["ratio"])))[:args.worst]
+        summary[ds]["machine_states"] = machine_states(ok)
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit()}
     abl = ablation(runs, profiles) if args.ablate else None
     if args.write_uncertainty:
@@ -627,6 +648,9 @@ def main(argv=None) -> int:
                   f"NCCL buffers and the allocator's cache included, which the model's tensors are not) on "
                   f"{s['memory_rows']} rows: median pred/meas {s['memory_median_ratio']:.2f}, measured - predicted "
                   f"{g[0]:+.1f} GiB on average ({g[1]:+.1f} to {g[2]:+.1f})")
+        if s["machine_states"]:
+            print(f"{ds}: by the machine's state as the source records it (judged as one dataset above): "
+                  + "; ".join(f"{st}: {n} rows, median pred/meas {m:.2f}" for st, n, m in s["machine_states"]))
     print("\n(%pk: model FLOP per GPU, the planner's accounting, over peak, at the predicted and at the measured time; "
           "exposed: median share of predicted time that is exposed communication; OOM-ran: runs the model calls out of "
           "memory)")

@@ -103,3 +103,15 @@ def test_bloom_head_dim_108_slowdown_comes_from_the_published_unaligned_gemm_rat
         # without the field the model has no slowdown to speak of
         flat = prof.replace(gemm_unaligned=None)
         assert pf.predict(slow, flat)["predicted_s"] / pf.predict(fast, flat)["predicted_s"] < 1.06
+
+
+def test_rows_are_reported_per_machine_state_only_where_the_source_records_a_change(pf):
+    """BLOOM's source improved its nodes' PCIe/NUMA setup on 02-25: the rows before and after are reported apart
+    (medians by hand), and a dataset with one state gets no such report."""
+    rows = [{"machine_state": s, "ratio": x}
+            for s, x in [("before", 0.8), ("after", 1.0), ("before", 0.9), ("after", 0.9), ("before", 0.85)]]
+    assert pf.machine_states(rows) == [("before", 3, pytest.approx(0.85)), ("after", 2, pytest.approx(0.95))]
+    assert pf.machine_states([{"machine_state": "", "ratio": 1.0}] * 3) == []
+    runs, _ = pf.bloom()
+    states = {r.label.split()[-1][:5]: r.machine_state for r in runs if "(batch" not in r.label}
+    assert states["02-21"] == states["02-24"] == pf.BLOOM_FIX[0] and states["02-25"] == states["02-28"] == pf.BLOOM_FIX[2]
