@@ -265,6 +265,17 @@ def test_megatron_arguments_without_the_package(tmp_path):
     assert "--num-layers-per-virtual-pipeline-stage" not in w and "--sequence-parallel" in w
 
 
+@pytest.mark.parametrize("model", ["llama3-8b", "gpt-20b"])
+def test_megatron_launches_the_planned_model_untied_and_without_biases(tmp_path, model):
+    """The planned model has an untied LM head and bias-free linears whatever its positions; Megatron ties the
+    embedding to the head and adds biases unless told, so a learned-position GPT is told too."""
+    plan = Plan(1, 2, 1, 4, "yzx", 1, True)
+    _direct("megatron", plan, tmp_path / model, model=model)
+    w = megatron_words(tmp_path / model)
+    assert "--untie-embeddings-and-output-weights" in w and "--disable-bias-linear" in w
+    assert ("--position-embedding-type" in w) == (load_model(model).position == "rope")
+
+
 @pytest.mark.parametrize("order,megatron_order", [("yzx", "tp-cp-ep-dp-pp"), ("yzxp", "tp-cp-ep-pp-dp")])
 def test_megatrons_own_rank_groups_are_the_planned_placement(tmp_path, order, megatron_order):
     """The pipeline outermost, or just inside data with --use-tp-pp-dp-mapping: megatron.core's RankGenerator with

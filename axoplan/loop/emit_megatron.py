@@ -68,8 +68,10 @@ def arguments(plan, model, job, profile, execution, steps: int = 10) -> list[tup
         add("--normalization", "RMSNorm")
     if model.position == "rope":
         add("--position-embedding-type", "rope")
-        add("--untie-embeddings-and-output-weights")
-        add("--disable-bias-linear")
+    # every ModelSpec has an untied LM head and bias-free linears (planner/specs.py); Megatron ties and adds biases
+    # unless told, which would launch another model than the one planned
+    add("--untie-embeddings-and-output-weights")
+    add("--disable-bias-linear")
     add("--make-vocab-size-divisible-by", model.vocab_multiple)
     add("--attention-backend", "flash" if execution.attention == "flash" else "unfused")
     if not execution.dropout:
