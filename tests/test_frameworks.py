@@ -353,6 +353,20 @@ def test_axonn_grid_mapping_without_the_package(tmp_path):
 
 
 # ---- what a framework cannot express -----------------------------------------------------------------
+@pytest.mark.parametrize("execution", [[], ["-e", "torchtitan"], ["-e", "megatron-core"]])
+def test_a_pipeline_the_framework_cannot_run_is_named_by_the_framework(tmp_path, capsys, execution):
+    """AxoNN's writer has no pipeline stages: whichever execution plans the run, the error names the framework
+    (the planned execution takes its pipeline from it), not the execution, and the ways out."""
+    m, p, g, b = JOB
+    for extra in (["--pp", "2"], ["--pp", "2", "--vpp", "2"]):
+        code, _, err = run_cli(["emit", "-m", m, "-p", p, "-g", str(g), "-b", str(b), "--framework", "axonn",
+                                "--out", str(tmp_path / "x"), *execution, *extra], capsys)
+        one_sentence(code, err)
+        assert "--framework axonn runs no pipeline; choose --pp 1 or a framework that does (axoplan, torchtitan, " \
+               "megatron)" in err, err
+        assert not (tmp_path / "x").exists()
+
+
 def test_what_a_framework_cannot_express_is_one_error(tmp_path, capsys):
     m, p, g, b = JOB
     base = ["emit", "-m", m, "-p", p, "-g", str(g), "-b", str(b), "--out", str(tmp_path / "x")]

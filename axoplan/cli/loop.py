@@ -87,6 +87,21 @@ def choose(model, machine, gpus, global_batch, seq_len=None, rank_k: int | None 
     return chosen, (others[0] if others else None), df.attrs
 
 
+def _framework_pipelines(framework: str, ex, pp, vpp, schedule) -> None:
+    """A pipeline asked of a framework whose writer cannot run it, said in the framework's words: the execution
+    planned with takes its pipeline from the framework (framework_execution), whatever execution named it."""
+    from axoplan.loop.frameworks import EXECUTIONS, framework_execution
+
+    runs = ex.pipeline_schedules
+    interleaved = (vpp or 1) > 1 or schedule == "interleaved-1f1b"
+    if not ((pp != "all" and pp > 1) or interleaved) or (runs and (not interleaved or "interleaved-1f1b" in runs)):
+        return
+    which = [f for f in EXECUTIONS if framework_execution(f).pipeline_schedules]
+    what = "no pipeline" if not runs else f"no interleaved schedule (only {', '.join(runs)})"
+    raise UserError(f"--framework {framework} runs {what}; choose " + ("--pp 1" if not runs else "--schedule 1f1b")
+                    + f" or a framework that does ({', '.join(which)})")
+
+
 @click.command("emit")
 @_job_options
 @click.option("--rank", "rank_k", type=inputs.Count(1), default=None,
@@ -131,6 +146,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
 
     check_layout(gpus, load_profile(machine))
     ex = framework_execution(framework, execution)
+    _framework_pipelines(framework, ex, parse_pp(pp), vpp, pipeline_schedule)
     chosen, runner_up, attrs = choose(model, machine, gpus, global_batch, seq_len, rank_k, g, order, micro_batch,
                                       checkpointing, execution=ex, pp=parse_pp(pp), vpp=vpp,
                                       schedule=pipeline_schedule)
