@@ -106,6 +106,20 @@ MEGATRON_DEEPSPEED_BF16 = dataclasses.replace(
                                        "before the next); the fp32 gradients all-reduced through a bf16 copy of each "
                                        "bucket (engine.py allreduce_bucket: communication_data_type is bf16 under bf16 "
                                        "with ZeRO stage 0, the slurm's ZERO_STAGE=0; DeepSpeed @15293139f)")
+# Megatron-LM as Narayanan et al. ran it in early 2021 (SC21, arXiv 2104.04473), before sequence parallelism: full
+# recomputation (their Sec. 5.1), fp16 weights with fp32 masters, the scatter/gather optimization on pipeline transfers
+# (their Sec. 4.1, on by default), the tensor-parallel dI all-reduce blocking after each layer's backward (no async
+# all-reduce yet: the 2021 forks of that code, bigscience-workshop/Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2,
+# have only copy_to_tensor_model_parallel_region), each micro-batch's gradients added into fp16 main grads by a hook
+# (megatron/model/distributed.py _make_param_hook: param.main_grad.add_(param.grad.data); fp32 only under bf16)
+MEGATRON_LM_2021 = dataclasses.replace(
+    PRESETS["megatron-lm"], sequence_parallel=False, recompute="full", tp_backward_overlap=False,
+    gradient_accumulation="compute", pipeline_p2p_split=True,
+    source="Megatron-LM of early 2021 as Narayanan et al. (SC21, arXiv 2104.04473) ran it: full recomputation, no "
+           "sequence parallelism, pipeline transfers scattered over the tensor-parallel ranks and gathered after "
+           "(their Sec. 4.1), the tensor-parallel dI all-reduce blocking (copy_to_tensor_model_parallel_region, no "
+           "async all-reduce: bigscience-workshop/Megatron-DeepSpeed megatron/mpu/layers.py @119a0d2, a 2021 fork), "
+           "fp16 gradients added into main grads per micro-batch (megatron/model/distributed.py _make_param_hook)")
 ZERO2 = dataclasses.replace(PRESETS["llm-foundry"], name="llm-foundry-shard-grad-op", reshard_after_forward=False,
                             source=PRESETS["llm-foundry"].source + "; torch.distributed.fsdp ShardingStrategy."
                                    "SHARD_GRAD_OP: parameters not resharded after the forward")
@@ -265,6 +279,24 @@ def korthikanti():
     return runs, out
 
 
+def narayanan():
+    src = "narayanan2021_table1_selene_a100.csv"
+    runs = []
+    for r in read_table(src):
+        L, h, B, gpus = int(r["layers"]), int(r["hidden"]), int(r["global_batch"]), int(r["gpus"])
+        s, V = 2048, 51200  # the paper's Sec. 5.1, every row
+        # time from the reported TFLOP/s by the paper's own Eq. 3 (the recomputed forward counted)
+        flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+        tp, pp = int(r["tp"]), int(r["pp"])
+        model = _gpt(f"gpt-{r['params_b']}b", L, h, r["heads"], V, s)
+        runs.append(Run("narayanan-selene", src, f"Table 1 GPT-{r['params_b']}B {gpus}gpu tp{tp} pp{pp}", model, gpus,
+                        B, s, (1, tp, 1, gpus // (tp * pp)), "yzx", None, True,
+                        flop / (float(r["tflops_per_gpu"]) * 1e12 * gpus), f"narayanan-selene:{r['params_b']}",
+                        ["mb unstated"] + (["schedule unstated"] if pp > 1 else []), MEGATRON_LM_2021, pp=pp,
+                        schedule="all" if pp > 1 else None))
+    return runs, []
+
+
 def _swapped(rows: list[dict]) -> set:
     """Indices of rows that repeat another row of the same run with its time and TFLOP/s in each other's columns
     (BLOOM's 'Trying with ZeRO_STAGE=0/1' table prints the 48-node contenders' 134.02 s at 120.29 TFLOP/s as
@@ -337,7 +369,7 @@ def bloom():
     return runs, out
 
 
-LOADERS = [llmfoundry, torchtitan, megatron_core, korthikanti, bloom]
+LOADERS = [llmfoundry, torchtitan, megatron_core, korthikanti, narayanan, bloom]
 
 
 def layer_times(profiles: dict) -> list[dict]:

@@ -115,3 +115,16 @@ def test_rows_are_reported_per_machine_state_only_where_the_source_records_a_cha
     runs, _ = pf.bloom()
     states = {r.label.split()[-1][:5]: r.machine_state for r in runs if "(batch" not in r.label}
     assert states["02-21"] == states["02-24"] == pf.BLOOM_FIX[0] and states["02-25"] == states["02-28"] == pf.BLOOM_FIX[2]
+
+
+def test_narayanan_times_come_from_their_eq3_by_hand(pf):
+    """Table 1's 1T row: 163 TFLOP/s per GPU on 3,072 GPUs at batch 3,072, 128 layers of width 25,600, s = 2048,
+    V = 51,200: 96 B s l h^2 (1 + s/6h + V/16lh) = 5.139e19 FLOP per iteration (their Eq. 3), so 102.63 s."""
+    runs, out = pf.narayanan()
+    assert out == [] and len(runs) == 10
+    one_t = next(r for r in runs if r.gpus == 3072)
+    flop = 96 * 3072 * 2048 * 128 * 25600 ** 2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    assert flop == pytest.approx(5.139e19, rel=1e-4)
+    assert one_t.measured_s == pytest.approx(102.63, abs=0.01)
+    assert (one_t.grid, one_t.pp, one_t.micro_batch, one_t.schedule) == ((1, 8, 1, 6), 64, None, "all")
+    assert one_t.execution.pipeline_p2p_split and not one_t.execution.tp_backward_overlap
