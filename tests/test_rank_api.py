@@ -105,6 +105,21 @@ def test_nothing_fits_in_memory(model, write_profile):
     assert df["rank"].isna().all()
 
 
+def test_explain_where_nothing_fits_shows_the_leanest_runnable_choice(model, write_profile):
+    """With no micro-batch or checkpointing that fits, explain shows the choice that comes closest (its memory
+    the reason), never one the job cannot run at all: global batch 12 on 2 data ranks leaves 6 sequences per
+    GPU, which micro-batches 4 and 5 do not divide."""
+    prof = write_profile(capacity_gib=1e-6, headroom_gib=0)
+    every = axoplan.rank(model, str(prof), 2, 12, include_infeasible=True)
+    grid = every[(every.gx == 1) & (every.gy == 1) & (every.gz == 1) & (every.gdata == 2)]
+    runnable = grid[grid.reason.str.startswith("needs")]
+    assert len(runnable) and len(runnable) < len(grid)  # some choices break a rule before memory
+    ex = axoplan.explain(model, str(prof), 2, 12, (1, 1, 1, 2))
+    s = ex.summary.iloc[0]
+    assert not s.feasible and s.reason.startswith("needs")
+    assert s.memory_gib == pytest.approx(runnable.memory_gib.min())
+
+
 def test_no_configuration_divides_the_batch(model, pm):
     # 3 GPUs, global batch 2: gdata*gz = 1 forces gx*gy = 3, which divides neither hidden 64 nor 8 heads;
     # gdata*gz = 3 does not divide 2 sequences

@@ -289,7 +289,7 @@ def one_config(f):
                          help="x, y, z innermost first, data outside them; p among them places the pipeline axis "
                               "(else outermost)."),
             click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None,
-                         help="Default: the fastest feasible for this grid."),
+                         help="Default: the fastest feasible for this grid (where none fits, the one needing the least memory)."),
             click.option("--checkpointing", type=click.Choice(["best", "on", "off"]), default="best",
                          show_default=True),
             click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True),

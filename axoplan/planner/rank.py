@@ -287,7 +287,8 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             blas_tuning: bool | None = None, execution: str | Execution | None = None, pp: int = 1,
             vpp: int | None = None, schedule: str | None = None) -> Explanation:
     """Where the time and memory of one configuration go. Unset micro-batch or checkpointing: the
-    fastest feasible choice for this grid and order. pp > 1: the grid is each stage's (gx*gy*gz*gdata*pp =
+    fastest feasible choice for this grid and order; where none fits, the runnable one needing the least memory
+    (shown as not feasible, with its memory). pp > 1: the grid is each stage's (gx*gy*gz*gdata*pp =
     gpus), schedule by default interleaved-1f1b where vpp > 1, else 1f1b; "all": the fastest feasible schedule
     and vpp the execution runs."""
     import pandas as pd
@@ -308,8 +309,14 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         # user's mistake, not a configuration to explain, even where a micro-batch also fails to divide first
         if (why := _pipeline_mistake(m, job.global_batch, c)) is not None:
             raise UserError(f"--pp {pp}: {why}")
-    pool = cand if len(cand) else np.arange(len(c))
-    best = pool[np.argmin(ev.batch_time[pool])]
+    if len(cand):
+        best = cand[np.argmin(ev.batch_time[cand])]
+    elif len(lean := np.nonzero(np.asarray(ev.reason_code) == len(ev.reasons) - 1)[0]):
+        # nothing fits: the shape-valid choice closest to fitting (its memory the reason), not a micro-batch or
+        # schedule the job cannot run at all
+        best = lean[np.argmin(np.broadcast_to(ev.memory.total, np.shape(ev.batch_time))[lean])]
+    else:
+        best = int(np.argmin(ev.batch_time))
     one = c.take(np.array([best]))
     ev1 = evaluate(m, p, job, one, overlap=overlap, blas_tuning=blas_tuning, explain=True, execution=ex)
     unc = expected_error(p, ex.name, job.gpus)
