@@ -463,6 +463,10 @@ def test_sharded_gradients_all_reduced_whole():
     assert float(bf.step[0].nbytes[0]) == shard * 2 and float(bf.step[0].seconds[0]) < float(s.step[0].seconds[0])
     with pytest.raises(UserError, match="data_parallel_reduce must be one of fp32, compute-copy"):
         load_execution(dataclasses.replace(ex, data_parallel_reduce="bf16"))
+    # gradients summed in bf16 over the micro-batches (DeepSpeed ZeRO-1's .grad): there is no fp32 gradient to
+    # reduce, so the reduction carries the bf16 one, 2 bytes an element, and its buffer is the gradient itself
+    lp, _ = _sched(m, prof, (1, 2, 1, 4), dataclasses.replace(ex, gradient_accumulation="compute"))
+    assert float(lp.step[0].nbytes[0]) == shard * 2
 
 
 def test_tp_backward_all_reduce_without_overlap_blocks():

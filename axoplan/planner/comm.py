@@ -689,8 +689,10 @@ def data_parallel_collectives(profile, g: Groups, shard_elements, replicated_ele
     (phase 'next forward' where it overlaps the next step's first forward)."""
     sharded = execution.optimizer_sharding == "data-parallel"
     kind = "reduce_scatter" if sharded and not execution.sharded_gradient_all_reduce else "all_reduce"
-    # the execution's D reduction dtype: fp32, or a compute-dtype copy of the fp32 gradients (DeepSpeed's bf16)
-    gb = dtype_bytes if execution.data_parallel_reduce == "compute-copy" else FP32
+    # the execution's D reduction dtype: fp32, or a compute-dtype copy of the fp32 gradients (DeepSpeed's bf16); where
+    # the micro-batches' gradients are summed in the compute dtype there is no fp32 gradient: reduced as they are
+    gb = dtype_bytes if execution.data_parallel_reduce == "compute-copy" or execution.gradient_accumulation == "compute" \
+        else FP32
     if buckets is None:
         grads = [dataclasses.replace(_coll(profile, g, "gradients", "step", kind, "d", shard_elements * gb),
                                      after="backward_first")]

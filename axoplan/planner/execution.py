@@ -134,7 +134,9 @@ class Execution:
     # how the D gradient reduction carries the fp32 gradients: fp32 (the trainer), or compute-copy: each bucket cast
     # into a compute-dtype copy, all-reduced in it and copied back (DeepSpeed engine.allreduce_bucket with
     # communication_data_type bf16, its default under bf16 without ZeRO: BLOOM's _bf16_reduce_grads), the copy
-    # live beside the fp32 gradients
+    # live beside the fp32 gradients. With gradient_accumulation 'compute' there is no fp32 gradient: the reduction
+    # carries the compute-dtype one (DeepSpeed ZeRO-1's communication_data_type, fp16/bf16 by default; Megatron-LM's
+    # fp16 main_grad buffers)
     data_parallel_reduce: str = "fp32"
     # the compute-dtype gradients a backward writes stay beside the fp32 accumulation until the next backward
     # starts, through the next forward (DeepSpeed's BF16_Optimizer: update_hp_grads(clear_lp_grads=False) after
