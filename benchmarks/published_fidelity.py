@@ -452,6 +452,12 @@ def machine_states(rows: list[dict]) -> list[tuple]:
             for st in states for sel in [[r["ratio"] for r in rows if r["machine_state"] == st]]]
 
 
+def config(run: Run) -> tuple:
+    """What the model sees of a run: runs equal in it are the same configuration (the tau ceiling's repeats)."""
+    return (run.model, run.grid, run.order, run.pp, run.vpp, run.schedule, run.micro_batch, run.checkpointing,
+            run.execution.name, run.global_batch, run.seq_len)
+
+
 def summarise(rows: list[dict]) -> dict:
     ooms = [r for r in rows if r.get("oom")]
     ok = [r for r in rows if "ratio" in r]
@@ -516,14 +522,14 @@ def ablation(runs: list, profiles: dict) -> dict:
     res = {}
     for name, keep in ABLATIONS.items():
         profs = ablated(profiles, keep)
-        rows = [{"dataset": r.dataset, "group": r.group, **predict(r, profs[r.dataset])} for r in runs]
+        rows = [{"dataset": r.dataset, "group": r.group, "config": config(r), **predict(r, profs[r.dataset])} for r in runs]
         res[name] = {ds: summarise([x for x in rows if x["dataset"] == ds])
                      for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
         res[name]["overall"] = summarise(rows)
     # every run as the bundled trainer would run it (per-op selective checkpointing as none, as before executions)
     bundled = [dataclasses.replace(r, execution=AXOPLAN, checkpointing=r.checkpointing and r.execution.recompute == "full")
                for r in runs]
-    rows = [{"dataset": r.dataset, "group": r.group, **predict(r, profiles[r.dataset])} for r in bundled]
+    rows = [{"dataset": r.dataset, "group": r.group, "config": config(r), **predict(r, profiles[r.dataset])} for r in bundled]
     res["all, bundled execution"] = {ds: summarise([x for x in rows if x["dataset"] == ds])
                                      for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
     res["all, bundled execution"]["overall"] = summarise(rows)
@@ -616,9 +622,7 @@ def main(argv=None) -> int:
                      "tp": run.grid[1], "pp": run.pp, "dp": run.grid[3], "layers": run.model.n_layers,
                      "execution": run.execution.name, "measured_mem_gib": run.measured_mem_gib,
                      "machine_state": run.machine_state,
-                     # what the model sees of a run: rows equal in it are the same configuration
-                     "config": (run.model, run.grid, run.order, run.pp, run.vpp, run.schedule, run.micro_batch,
-                                run.checkpointing, run.execution.name, run.global_batch, run.seq_len), **p})
+                     "config": config(run), **p})
     datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
     summary = {ds: summarise([r for r in rows if r["dataset"] == ds]) for ds in datasets}
     for ds in datasets:

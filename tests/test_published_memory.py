@@ -128,3 +128,13 @@ def test_narayanan_times_come_from_their_eq3_by_hand(pf):
     assert one_t.measured_s == pytest.approx(102.63, abs=0.01)
     assert (one_t.grid, one_t.pp, one_t.micro_batch, one_t.schedule) == ((1, 8, 1, 6), 64, None, "all")
     assert one_t.execution.pipeline_p2p_split and not one_t.execution.tp_backward_overlap
+
+
+def test_the_ablation_summarises_like_the_main_table(pf):
+    """--ablate's rows carry what the main table's do (the configuration the tau ceiling groups repeats by): a
+    summary per ablation and dataset, on two of Narayanan et al.'s runs."""
+    runs = pf.narayanan()[0][:2]
+    res = pf.ablation(runs, pf.machine_profiles())
+    assert set(pf.ABLATIONS) <= set(res) and "all, bundled execution" in res
+    for per in res.values():
+        assert per["narayanan-selene"]["rows"] == 2 and per["overall"]["mean_err_pct"] >= 0
