@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             rows = []
             for r in runs:
                 p = profiles[r.dataset] if tab is None else dataclasses.replace(profiles[r.dataset], gemm_table=tab)
-                rows.append({"dataset": r.dataset, "group": r.group, **pf.predict(r, p)})
+                rows.append(pf.judged(r, p))
             for ds in sorted({x["dataset"] for x in rows}):
                 s = pf.summarise([x for x in rows if x["dataset"] == ds])
                 print(f"  {label:14} {ds:22} mean error {s['mean_err_pct']:.0f}%  median pred/meas {s['median_ratio']:.2f}")

@@ -458,6 +458,11 @@ def config(run: Run) -> tuple:
             run.execution.name, run.global_batch, run.seq_len)
 
 
+def judged(run: Run, profile) -> dict:
+    """A run's prediction with what summarise groups it by."""
+    return {"dataset": run.dataset, "group": run.group, "config": config(run), **predict(run, profile)}
+
+
 def summarise(rows: list[dict]) -> dict:
     ooms = [r for r in rows if r.get("oom")]
     ok = [r for r in rows if "ratio" in r]
@@ -522,14 +527,14 @@ def ablation(runs: list, profiles: dict) -> dict:
     res = {}
     for name, keep in ABLATIONS.items():
         profs = ablated(profiles, keep)
-        rows = [{"dataset": r.dataset, "group": r.group, "config": config(r), **predict(r, profs[r.dataset])} for r in runs]
+        rows = [judged(r, profs[r.dataset]) for r in runs]
         res[name] = {ds: summarise([x for x in rows if x["dataset"] == ds])
                      for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
         res[name]["overall"] = summarise(rows)
     # every run as the bundled trainer would run it (per-op selective checkpointing as none, as before executions)
     bundled = [dataclasses.replace(r, execution=AXOPLAN, checkpointing=r.checkpointing and r.execution.recompute == "full")
                for r in runs]
-    rows = [{"dataset": r.dataset, "group": r.group, "config": config(r), **predict(r, profiles[r.dataset])} for r in bundled]
+    rows = [judged(r, profiles[r.dataset]) for r in bundled]
     res["all, bundled execution"] = {ds: summarise([x for x in rows if x["dataset"] == ds])
                                      for ds in sorted({x["dataset"] for x in rows}, key=[x["dataset"] for x in rows].index)}
     res["all, bundled execution"]["overall"] = summarise(rows)
