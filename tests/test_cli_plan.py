@@ -129,6 +129,24 @@ def test_explain_table_and_json(cli, job):
     assert {m["kind"] for m in ex["memory"]} >= {"total (peak)", "activations"}
 
 
+def test_explain_shows_a_deep_pipelines_like_stages_once(cli, monkeypatch):
+    """GPT-1T over 64 stages of 2 virtual stages each: the 126 middle virtual stages time alike, so the table shows
+    each pass as its first stage, one row for the middle ones and its last stage, and says so; the JSON keeps every
+    stage."""
+    monkeypatch.setenv("COLUMNS", "200")
+    job = ["-m", "gpt-1t", "-p", "dgx-a100", "-g", "3072", "-b", "3072", "--grid", "1,8,1,6", "--pp", "64",
+           "--vpp", "2", "-e", "megatron-core"]
+    code, out, err = cli("explain", *job)
+    assert code == 0, err
+    table = out[out.index("layer windows"):out.index("memory per GPU")]
+    assert table.count("stages 1-126, 1 block each") == 2 and table.count("stage 127 (rank 63, 1 block)") == 2
+    assert "stage 5 " not in table
+    assert "256 stage rows as 6; --format json lists every stage" in out
+    code, out, _ = cli("explain", *job, "--format", "json")
+    layers = [w["layer"] for w in json.loads(out)["windows"]]
+    assert len(layers) == 256 and layers[2] == "stage 1 (rank 1, 1 block)"
+
+
 def test_models_and_profiles(cli, pm_path, monkeypatch):
     code, out, _ = cli("models")
     assert code == 0 and "gpt-tiny" in out and "hidden" in out

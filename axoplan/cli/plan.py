@@ -1,6 +1,8 @@
 """`axoplan models | profiles | rank | explain`: the planner's commands (no torch)."""
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import functools
 import io
@@ -204,6 +206,36 @@ def parse_pp(pp, allow_all: bool = True):
     return inputs.count(pp, "--pp", 1, inputs.MAX_GPUS)
 
 
+_STAGE = re.compile(r"stage (\d+) \(rank \d+, (\d+) blocks?\)")
+
+
+def _window_rows(windows) -> list[tuple]:
+    """explain's window rows as printed; a pipeline's consecutive (virtual) stages that print the same times and
+    hold as many blocks are one row per pass ("stages 1-38, 2 blocks each"), the forward's runs before the
+    backward's, so that a deep pipeline's table stays readable."""
+    rows = [(str(r[0]), r.layer, str(r.count_per_micro_batch), f"{r.compute_s:.4g}", f"{r.window_s:.4g}",
+             f"{r.exposed_comm_s:.4g}") for r in windows.itertuples(index=False)]
+    stages = [_STAGE.fullmatch(r[1]) for r in rows]
+    if not rows or not all(stages):
+        return rows
+    out = []
+    for pass_name in dict.fromkeys(r[0] for r in rows):
+        runs = []  # [first stage, last stage, blocks, the printed numbers]
+        for r, m in zip(rows, stages):
+            if r[0] != pass_name:
+                continue
+            v, key = int(m.group(1)), (m.group(2), r[2:])
+            if runs and runs[-1][3] == key and runs[-1][1] == v - 1:
+                runs[-1][1] = v
+            else:
+                runs.append([v, v, m.group(2), key])
+        for a, b, n, key in runs:
+            label = next(r[1] for r, m in zip(rows, stages) if r[0] == pass_name and int(m.group(1)) == a) \
+                if a == b else f"stages {a}-{b}, {n} block{'s' if n != '1' else ''} each"
+            out.append((pass_name, label, *key[1]))
+    return out
+
+
 def _format(df, fmt: str) -> str:
     import json
 
@@ -336,9 +368,9 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
     w = Table(title="layer windows per step (compute vs window time; the difference is exposed communication)")
     for col in ("pass", "layer", "x per micro-batch", "compute s", "window s", "exposed comm s"):
         w.add_column(col, justify="left" if col in ("pass", "layer") else "right")
-    for r in ex.windows.itertuples(index=False):
-        w.add_row(r._0 if hasattr(r, "_0") else r[0], r.layer, str(r.count_per_micro_batch), f"{r.compute_s:.4g}",
-                  f"{r.window_s:.4g}", f"{r.exposed_comm_s:.4g}")
+    shown = _window_rows(ex.windows)
+    for row in shown:
+        w.add_row(*row)
     parts.append(w)
     mtab = Table(title="memory per GPU")
     mtab.add_column("kind")
@@ -347,6 +379,9 @@ def explain(model, machine, gpus, global_batch, seq_len, no_overlap, grid, order
         mtab.add_row(r.kind, f"{r.gib:.2f}")
     parts.append(mtab)
     parts += [f"note: {n}" for n in ex.notes]
+    if len(shown) < len(ex.windows):
+        parts.append(f"note: consecutive pipeline stages with the same times are one row ({len(ex.windows)} "
+                     f"stage rows as {len(shown)}; --format json lists every stage)")
     note = tablefit.dropped_note(left, width, ", --format json all")
     if note:
         parts.append(note)

@@ -249,7 +249,7 @@ def _stage_rows(st, sched, one: Candidates, n_layers: int, ckpt: bool) -> list[d
                                   if name == "forward" else
                                   sched.passes(ckpt)[1].stage(v == 0, v == len(blocks) - 1).total(n, Window.compute_s)
                                   )[0])
-            rows.append({"pass": name.split("_")[0], "layer": f"stage {v} (rank {v % npp}, {n} blocks)",
+            rows.append({"pass": name.split("_")[0], "layer": f"stage {v} (rank {v % npp}, {n} block{'s' if n != 1 else ''})",
                          "count_per_micro_batch": 1, "compute_s": comp * ga, "window_s": t * ga,
                          "exposed_comm_s": max(t - comp, 0.0) * ga})
     return rows
