@@ -469,6 +469,35 @@ def test_sharded_gradients_all_reduced_whole():
     assert float(lp.step[0].nbytes[0]) == shard * 2
 
 
+def test_a_split_pipeline_transfer_is_gathered_where_it_is_received():
+    """Megatron's scatter-gather and DeepSpeed's partitioned transfers: each Y rank sends 1/gy of the boundary
+    tensor [T, h/gx] and the receiving stage all-gathers it over Y on its compute stream, in the forward on every
+    stage but the first and in the backward on every stage but the last; nothing without a pipeline, nothing for
+    an execution that does not split."""
+    m = load_model("gpt-20b")  # hidden 7168
+    prof = load_profile("dgx-a100")
+    ex = dataclasses.replace(PRESETS["megatron-lm"], sequence_parallel=False, recompute="full", pipeline_p2p_split=True)
+    c = Candidates(*(np.array([v]) for v in (1, 4, 1, 2)), np.array([0]), np.array([2]), np.array([True]),
+                   pp=np.array([2]), vpp=np.array([1]), schedule=np.array([0], dtype=np.int8))
+    s = schedule.build(m, prof, Job(16, 64, 2048), c, c.checkpointing, True, True, comm.place(prof, c), ex)
+    full = 2 * 2048 * 7168 * 2  # micro-batch 2 x 2048 tokens x hidden x bf16
+    assert float(np.ravel(s.p2p_bytes)[0]) == full / 4
+    for p, receives in ((s.forward, (False, True)), (s.backward_recompute, (True, False))):
+        for (first, last), gets in zip(((True, False), (False, True)), receives):
+            got = [w for w in p.stage(first, last).prefix if w.name == schedule.RECEIVE]
+            assert len(got) == gets
+            if gets:
+                (g,) = got[0].blocking
+                assert (g.kind, g.axis, float(np.ravel(g.nbytes)[0])) == ("all_gather", "y", full)
+                assert float(np.ravel(g.seconds)[0]) > 0
+    assert not any(w.name == schedule.RECEIVE for w in s.forward.stage(True, True).prefix)  # one stage: none
+    flat = dataclasses.replace(c, pp=np.array([1]))
+    one = schedule.build(m, prof, Job(8, 64, 2048), flat, flat.checkpointing, True, True, comm.place(prof, flat), ex)
+    assert not any(w.name == schedule.RECEIVE for w in one.forward.prefix + one.backward_recompute.prefix)
+    plain, _ = _sched(m, prof, (1, 4, 1, 2), PRESETS["megatron-lm"])
+    assert not any(w.name == schedule.RECEIVE for w in plain.forward.prefix + plain.backward.prefix)
+
+
 def test_tp_backward_all_reduce_without_overlap_blocks():
     m = load_model("gpt-20b")
     prof = load_profile("dgx-a100")

@@ -121,7 +121,8 @@ class Execution:
     # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
     pipeline_even_split: bool = False
     # the stage-boundary transfer split over the Y ranks (each sends its 1/gy part; DeepSpeed's pipe_partitioned
-    # PartitionedTensor, Megatron's scatter-gather without SP); the receivers' gather inside the node is not counted
+    # PartitionedTensor, Megatron's scatter-gather without SP), the receiver gathering it over Y on its compute
+    # stream before its forward or backward (schedule.RECEIVE)
     pipeline_p2p_split: bool = False
     # each transfer occupies its sender too (DeepSpeed's PipelineEngine: blocking p2p.send/recv instructions in
     # its schedule); false: sent beside the sender's next operation (torch.distributed.pipelining's isend)

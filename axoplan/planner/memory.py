@@ -31,6 +31,7 @@ import numpy as np
 from axoplan.planner.execution import AXOPLAN, Execution, op_selective
 from axoplan.planner.specs import ModelSpec
 from axoplan.planner.comm import FP32, padded_block, shard_elems
+from axoplan.planner.schedule import RECEIVE
 
 KINDS = ("states", "gathered", "gradients", "activations", "logits", "transients", "buffers")
 KIND_NAMES = {"states": "states", "gathered": "gathered weights", "gradients": "gradient blocks",
@@ -300,6 +301,7 @@ def step_moments(model: ModelSpec, gx, gy, gz, tokens, checkpointing, shard_elem
         next block's first. `live`: the activations still saved, freed as the moments say. `cached`: the
         weights an execution that does not reshard after the forward still holds gathered (all of them).
         next_block: 0 where no block of the same backward follows (nothing to prefetch into its recompute)."""
+        windows = [w for w in windows if w.name != RECEIVE]  # a stage's gather of a split transfer: no weights
         for i, w in enumerate(windows):
             layer = layers[w.name]
             following = layers[windows[i + 1].name].gathered if i + 1 < len(windows) else then

@@ -101,6 +101,10 @@ class Window:
         return self.blocking + [c for cs in self.beside.values() for c in cs] + self.gather + self.scatter
 
 
+# the window in which a pipeline stage gathers a transfer its senders split over Y (Execution.pipeline_p2p_split)
+RECEIVE = "pipeline receive"
+
+
 @dataclass
 class Pass:
     name: str
@@ -113,9 +117,14 @@ class Pass:
         return [(w, 1) for w in self.prefix] + [(w, n_blocks) for w in self.block] + [(w, 1) for w in self.suffix]
 
     def stage(self, first: bool, last: bool) -> Pass:
-        """This pass on one pipeline stage: the embedding's window on the first only, the LM head's on the last."""
+        """This pass on one pipeline stage: the embedding's window on the first only, the LM head's on the last,
+        the gather of a split transfer (RECEIVE) where the stage receives: after the first in the forward, before
+        the last in the backward."""
+        receives = not first if self.name == "forward" else not last
+
         def keep(ws):
-            return [w for w in ws if (w.name != "embedding" or first) and (w.name != "lm_head" or last)]
+            return [w for w in ws if (w.name != "embedding" or first) and (w.name != "lm_head" or last)
+                    and (w.name != RECEIVE or receives)]
         return Pass(self.name, keep(self.prefix), self.block, keep(self.suffix))
 
     def total(self, n_blocks, value):
@@ -334,9 +343,19 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
     p2p_bytes = T / ex.sequence_split(gy) * model.hidden / gx * e
+    receive_f, receive_b = [], []
+    staged = np.asarray(c.pp if c.pp is not None else 1) > 1
     if ex.pipeline_p2p_split and not ex.sequence_parallel:
+        # each Y rank sent its 1/gy part; the receiver gathers the whole boundary tensor on its compute stream
+        # before it runs (Megatron's gather_split_1d_tensor, DeepSpeed's PartitionedTensor.full()): a stage that
+        # receives, in its pass (Pass.stage); none without a pipeline (no window where no candidate has one)
+        for phase, into in (("fwd", receive_f), ("bwd", receive_b)) if np.any(staged) else ():
+            g_all = comm._coll(profile, g, "pipeline", phase, "all_gather", "y", p2p_bytes)
+            g_all = dataclasses.replace(g_all, seconds=np.where(staged, g_all.seconds, 0.0))
+            into.append(Window(RECEIVE, {}, [g_all]))
         p2p_bytes = p2p_bytes / gy
-    return Schedule(L, grad_acc, ck, Pass("forward", [emb_f], fwd_block, [lm_f]),
-                    Pass("backward", [lm_b], plain, [emb_b]), Pass("backward", [lm_b], recompute + ckpt, [emb_b]),
+    return Schedule(L, grad_acc, ck, Pass("forward", [emb_f, *receive_f], fwd_block, [lm_f]),
+                    Pass("backward", [lm_b, *receive_b], plain, [emb_b]),
+                    Pass("backward", [lm_b, *receive_b], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
                     *comm.stage_transfer_seconds(profile, g, p2p_bytes))
