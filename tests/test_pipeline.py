@@ -2,6 +2,8 @@
 continuation), the space and its rules, per-stage memory, and the CLI's pipeline errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 
@@ -228,8 +230,10 @@ def test_the_bound_is_the_walk_for_identical_stages():
         P.rank_end_times("1f1b", 4, 1, 8, sec, np.zeros((2, 1))).max())
 
 
-def test_ranking_walks_every_candidate_that_can_be_among_the_best():
-    """rank's top rows, walked only where their bound can be among them, are those of walking every candidate."""
+@pytest.mark.parametrize("split", [False, True])
+def test_ranking_walks_every_candidate_that_can_be_among_the_best(split):
+    """rank's top rows, walked only where their bound can be among them, are those of walking every candidate;
+    also where each received transfer is gathered again on the receiving stage (split transfers)."""
     from axoplan.planner.batch import evaluate
     from axoplan.planner.machine import load_profile
     from axoplan.planner.specs import Job, load_model
@@ -238,8 +242,10 @@ def test_ranking_walks_every_candidate_that_can_be_among_the_best():
     model, prof = load_model("gpt-20b"), load_profile("dgx-a100")
     job = Job(64, 512, model.seq_len)
     c = enumerate_space(64, 512, pipelines=pipeline_choices(64, model.n_layers, "all"))
-    full = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"])
-    some = evaluate(model, prof, job, c, execution=PRESETS["megatron-core"], top=10)
+    ex = PRESETS["megatron-core"] if not split else dataclasses.replace(
+        PRESETS["megatron-lm"], sequence_parallel=False, recompute="full", pipeline_p2p_split=True)
+    full = evaluate(model, prof, job, c, execution=ex)
+    some = evaluate(model, prof, job, c, execution=ex, top=10)
     # a candidate a rule excludes is not timed in either; every other is walked, or bounded below
     timed = np.isfinite(full.batch_time)
     assert np.array_equal(timed, np.isfinite(some.batch_time)) and timed[full.feasible].all()
