@@ -619,15 +619,13 @@ def main(argv=None) -> int:
         excluded += x
     rows = []
     for run in runs:
-        p = predict(run, profiles[run.dataset])
-        rows.append({"dataset": run.dataset, "source": run.source, "label": run.label, "group": run.group,
+        rows.append({"source": run.source, "label": run.label,
                      "grid": "x".join(map(str, run.grid)) + (f" pp{run.pp}" if run.pp > 1 else "")
                      + (f"v{run.vpp}" if run.vpp else ""), "seq_len": run.seq_len, "global_batch": run.global_batch,
                      "measured_s": run.measured_s, "notes": run.notes, "gpus": run.gpus,
                      "tp": run.grid[1], "pp": run.pp, "dp": run.grid[3], "layers": run.model.n_layers,
                      "execution": run.execution.name, "measured_mem_gib": run.measured_mem_gib,
-                     "machine_state": run.machine_state,
-                     "config": config(run), **p})
+                     "machine_state": run.machine_state, **judged(run, profiles[run.dataset])})
     datasets = sorted({r["dataset"] for r in rows}, key=[r["dataset"] for r in rows].index)
     summary = {ds: summarise([r for r in rows if r["dataset"] == ds]) for ds in datasets}
     for ds in datasets:

@@ -94,8 +94,10 @@ def _framework_pipelines(framework: str, ex, pp, vpp, schedule) -> None:
 
     runs = ex.pipeline_schedules
     interleaved = (vpp or 1) > 1 or schedule == "interleaved-1f1b"
-    if not ((pp != "all" and pp > 1) or interleaved) or (runs and (not interleaved or "interleaved-1f1b" in runs)):
-        return
+    if not (interleaved or (pp != "all" and pp > 1)):
+        return  # no pipeline asked for
+    if runs and (not interleaved or "interleaved-1f1b" in runs):
+        return  # the framework runs what was asked
     which = [f for f in EXECUTIONS if framework_execution(f).pipeline_schedules]
     what = "no pipeline" if not runs else f"no interleaved schedule (only {', '.join(runs)})"
     raise UserError(f"--framework {framework} runs {what}; choose " + ("--pp 1" if not runs else "--schedule 1f1b")

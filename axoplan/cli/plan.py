@@ -1,11 +1,10 @@
 """`axoplan models | profiles | rank | explain`: the planner's commands (no torch)."""
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import functools
 import io
+import re
 import time
 
 import click
@@ -220,7 +219,7 @@ def _window_rows(windows) -> list[tuple]:
         return rows
     out = []
     for pass_name in dict.fromkeys(r[0] for r in rows):
-        runs = []  # [first stage, last stage, blocks, the printed numbers]
+        runs = []  # [first stage, last stage, the first stage's row, its blocks and printed numbers]
         for r, m in zip(rows, stages):
             if r[0] != pass_name:
                 continue
@@ -228,11 +227,10 @@ def _window_rows(windows) -> list[tuple]:
             if runs and runs[-1][3] == key and runs[-1][1] == v - 1:
                 runs[-1][1] = v
             else:
-                runs.append([v, v, m.group(2), key])
-        for a, b, n, key in runs:
-            label = next(r[1] for r, m in zip(rows, stages) if r[0] == pass_name and int(m.group(1)) == a) \
-                if a == b else f"stages {a}-{b}, {n} block{'s' if n != '1' else ''} each"
-            out.append((pass_name, label, *key[1]))
+                runs.append([v, v, r, key])
+        for a, b, first, (n, numbers) in runs:
+            label = first[1] if a == b else f"stages {a}-{b}, {n} block{'s' if n != '1' else ''} each"
+            out.append((pass_name, label, *numbers))
     return out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from axoplan import inputs
 from axoplan.planner import comm, stage_timing
-from axoplan.planner.batch import Evaluation, evaluate
+from axoplan.planner.batch import MEMORY_REASON, Evaluation, evaluate
 from axoplan.planner.compute import unaligned_dims
 from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
@@ -311,7 +311,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
             raise UserError(f"--pp {pp}: {why}")
     if len(cand):
         best = cand[np.argmin(ev.batch_time[cand])]
-    elif len(lean := np.nonzero(np.asarray(ev.reason_code) == len(ev.reasons) - 1)[0]):
+    elif len(lean := np.nonzero(np.asarray(ev.reason_code) == ev.reasons.index(MEMORY_REASON))[0]):
         # nothing fits: the shape-valid choice closest to fitting (its memory the reason), not a micro-batch or
         # schedule the job cannot run at all
         best = lean[np.argmin(np.broadcast_to(ev.memory.total, np.shape(ev.batch_time))[lean])]

@@ -343,19 +343,20 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     step = comm.data_parallel_collectives(profile, g, shard.astype(np.float64), replicated,
                                           plan.rows if plan else None, ex, e)
     p2p_bytes = T / ex.sequence_split(gy) * model.hidden / gx * e
-    receive_f, receive_b = [], []
+    receive = {"fwd": [], "bwd": []}
+    split = ex.pipeline_p2p_split and not ex.sequence_parallel
     staged = np.asarray(c.pp if c.pp is not None else 1) > 1
-    if ex.pipeline_p2p_split and not ex.sequence_parallel:
+    if split and np.any(staged):
         # each Y rank sent its 1/gy part; the receiver gathers the whole boundary tensor on its compute stream
         # before it runs (Megatron's gather_split_1d_tensor, DeepSpeed's PartitionedTensor.full()): a stage that
-        # receives, in its pass (Pass.stage); none without a pipeline (no window where no candidate has one)
-        for phase, into in (("fwd", receive_f), ("bwd", receive_b)) if np.any(staged) else ():
+        # receives, in its pass (Pass.stage); none without a pipeline
+        for phase, into in receive.items():
             g_all = comm._coll(profile, g, "pipeline", phase, "all_gather", "y", p2p_bytes)
-            g_all = dataclasses.replace(g_all, seconds=np.where(staged, g_all.seconds, 0.0))
-            into.append(Window(RECEIVE, {}, [g_all]))
+            into.append(Window(RECEIVE, {}, [dataclasses.replace(g_all, seconds=np.where(staged, g_all.seconds, 0.0))]))
+    if split:
         p2p_bytes = p2p_bytes / gy
-    return Schedule(L, grad_acc, ck, Pass("forward", [emb_f, *receive_f], fwd_block, [lm_f]),
-                    Pass("backward", [lm_b, *receive_b], plain, [emb_b]),
-                    Pass("backward", [lm_b, *receive_b], recompute + ckpt, [emb_b]),
+    return Schedule(L, grad_acc, ck, Pass("forward", [emb_f, *receive["fwd"]], fwd_block, [lm_f]),
+                    Pass("backward", [lm_b, *receive["bwd"]], plain, [emb_b]),
+                    Pass("backward", [lm_b, *receive["bwd"]], recompute + ckpt, [emb_b]),
                     step, optimizer_s, plan, g, extrapolated, replicated, params, p2p_bytes,
                     *comm.stage_transfer_seconds(profile, g, p2p_bytes))
