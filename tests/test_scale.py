@@ -150,6 +150,44 @@ def test_cli_table_csv_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_each_count_keeps_ranks_best_pipeline_and_its_grid_times_stages_is_the_count():
+    # GPT-175B as Megatron-Core runs it on DGX H100: rank's best at these counts pipelines
+    from axoplan.planner.rank import rank
+
+    df = strong_scaling("gpt-175b", "dgx-h100", [512, 1024], global_batch=1536, execution="megatron-core")
+    for _, r in df.iterrows():
+        best = rank("gpt-175b", "dgx-h100", int(r["gpus"]), 1536, top=1, execution="megatron-core").iloc[0]
+        assert (r["pp"], r["vpp"], r["schedule"]) == (best["pp"], best["vpp"], best["schedule"])
+        assert r["batch_time_s"] == best["batch_time_s"] and r["bubble_s"] == best["bubble_s"]
+        assert r["gx"] * r["gy"] * r["gz"] * r["gdata"] * r["pp"] == r["gpus"]
+    assert (df["pp"] > 1).all()
+    flat = strong_scaling("gpt-175b", "dgx-h100", [512, 1024], global_batch=1536, execution="megatron-core", pp=1)
+    assert (flat["pp"] == 1).all() and (flat["gx"] * flat["gy"] * flat["gz"] * flat["gdata"] == flat["gpus"]).all()
+    # the pipeline only where it is the best: never slower than the search without it
+    assert (df["batch_time_s"] <= flat["batch_time_s"]).all()
+
+
+def test_cli_shows_the_pipeline_and_takes_rank_s_pipeline_options(capsys):
+    base = ["--model", "gpt-175b", "--machine", "dgx-h100", "--gpus", "8,512", "--global-batch", "1536",
+            "--execution", "megatron-core"]
+    code, out, _ = run_cli(base, capsys)
+    head = out.splitlines()[0].split()
+    assert code == 0 and "pp" in head
+    row = out.splitlines()[2]  # 512 GPUs (8 GPUs: nothing fits, its reason below the table)
+    assert row.split()[1] == "512" and " v" in row  # interleaved: 'pp vV'
+    code, out, _ = run_cli(base + ["--pp", "1"], capsys)
+    assert code == 0 and "pp" not in out.splitlines()[0].split()
+    code, out, _ = run_cli(base + ["--pp", "4", "--schedule", "1f1b", "--format", "csv"], capsys)
+    df = pd.read_csv(__import__("io").StringIO(out))
+    ok = df[df["feasible"]]
+    assert code == 0 and list(ok["pp"]) == [4] and list(ok["schedule"]) == ["1f1b"]
+    # counts stay integers beside a count where nothing fits (no '1.0' cells)
+    cells = dict(zip(out.splitlines()[0].split(","), out.splitlines()[2].split(",")))
+    assert all(cells[c].isdigit() for c in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp"))
+    code, out, err = run_cli(base + ["--order", "xyzp", "--pp", "4"], capsys)
+    assert code == 0, err
+
+
 def test_cli_weak_mode(capsys):
     code, out, _ = run_cli(["--weak", "gpt-5b:64,gpt-10b:128", "--machine", "perlmutter", "--global-batch", "512",
                             "--format", "csv"], capsys)

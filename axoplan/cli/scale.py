@@ -12,9 +12,9 @@ import pandas as pd
 from axoplan import inputs, plots
 from axoplan.atomic import atomic_write_text, check_writable, write_output
 from axoplan.errors import UserError
-from axoplan.cli.plan import execution_option
+from axoplan.cli.plan import execution_option, parse_pp, pipeline_label, pipeline_options
 from axoplan.planner.execution import load_execution
-from axoplan.planner.space import ORDERS
+from axoplan.planner.space import PLACEMENTS
 from axoplan.studies.scale import (
     COLUMNS,
     parse_gpus,
@@ -33,6 +33,8 @@ def _table(df: pd.DataFrame) -> str:
                          for a, b, c, d, f in zip(df["gx"].fillna(0), df["gy"].fillna(0), df["gz"].fillna(0),
                                                   df["gdata"].fillna(0), df["feasible"])],
         "order": df["order"].fillna("-"),
+        "pp": [pipeline_label(int(p), int(v), sch) if f else "-"
+               for p, v, sch, f in zip(df["pp"].fillna(1), df["vpp"].fillna(1), df["schedule"], df["feasible"])],
         "mb": [str(int(x)) if f else "-" for x, f in zip(df["micro_batch"].fillna(0), df["feasible"])],
         "ckpt": [("yes" if x else "no") if f else "-" for x, f in zip(df["checkpointing"], df["feasible"])],
         "s/batch": [f"{x:.3g}" if np.isfinite(x) else "-" for x in df["batch_time_s"].astype(float)],
@@ -40,6 +42,8 @@ def _table(df: pd.DataFrame) -> str:
         "% peak": [f"{x:.1f}" if np.isfinite(x) else "-" for x in df["pct_of_peak"].astype(float)],
         "efficiency": [f"{x:.3f}" if np.isfinite(x) else "-" for x in df["efficiency"].astype(float)],
     })
+    if not (show["pp"] != "-").any():  # as rank: the pipeline's column only where a row has one
+        show = show.drop(columns="pp")
     if df["time_to_train_s"].notna().any():
         show["time to train"] = [s or "-" for s in df["time_to_train"]]
     text = show.to_string(index=False)
@@ -139,7 +143,11 @@ def _progress(i, n, row):
               help="Sequences per optimizer step (the same at every count).")
 @click.option("--seq-len", type=inputs.SEQ_LEN, default=None, help="Tokens per sequence (default: the model's).")
 @click.option("--tokens", "tokens_spec", default=None, help="Token budget for time to train, e.g. 2T, 300B.")
-@click.option("--order", type=click.Choice(("all",) + ORDERS), default="all", show_default=True)
+@click.option("--order", default="all", show_default=True, metavar="ORDER",
+              type=click.Choice(list(PLACEMENTS) + ["all", "every"]),
+              help="Placement order, as rank's: x, y, z innermost first (all: every distinct one, the pipeline "
+                   "axis outermost; with p among them the pipeline axis sits there; every: all, and each pipeline "
+                   "inside data too).")
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
 @click.option("--no-overlap", is_flag=True, help="Model no communication overlap.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
@@ -147,8 +155,9 @@ def _progress(i, n, row):
               help="Write the result here (atomically).")
 @click.option("--plot", type=inputs.SafePath(dir_okay=False), default=None, help="Write a PNG plot here.")
 @execution_option
+@pipeline_options
 def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_spec, order, micro_batch, no_overlap,
-          fmt, output, plot, execution):
+          fmt, output, plot, execution, pp, vpp, pipeline_schedule):
     if global_batch <= 0:
         raise UserError(f"--global-batch must be a positive integer (sequences), got {global_batch}")
     if seq_len is not None and seq_len <= 0:
@@ -162,7 +171,7 @@ def scale(model, machine, gpus_spec, weak_spec, global_batch, seq_len, tokens_sp
             check_writable(path, what)  # before the planning, so a bad path loses nothing
     tokens = parse_tokens(tokens_spec) if tokens_spec is not None else None
     kw = {"order": order, "micro_batch": micro_batch, "overlap": not no_overlap,
-          "execution": load_execution(execution)}
+          "execution": load_execution(execution), "pp": parse_pp(pp), "vpp": vpp, "schedule": pipeline_schedule}
     if weak_spec is not None:
         if model is not None or gpus_spec is not None:
             raise UserError("--weak takes MODEL:GPUS pairs; leave out --model and --gpus")

@@ -1,5 +1,5 @@
-"""What-if at scale: the best configuration at each GPU count, its speed, parallel efficiency and time
-to train a token budget. Pure functions over axoplan.planner.rank.rank(); no torch, no plotting here.
+"""What-if at scale: the best configuration at each GPU count (pipeline included, as rank searches it), its
+speed, parallel efficiency and time to train a token budget. Pure functions over axoplan.planner.rank.rank(); no torch, no plotting here.
 
 Strong scaling: one model, one global batch, several GPU counts. Weak scaling: (model, GPUs) pairs
 that grow together, as in the AxoNN paper's tables.
@@ -25,7 +25,9 @@ from axoplan.planner.specs import ModelSpec, load_model
 
 COLUMNS = ["model", "gpus", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s",
            "tokens_per_s", "tflops_per_gpu", "pflops", "pct_of_peak", "speedup", "efficiency", "memory_gib",
-           "time_to_train_s", "time_to_train", "feasible", "reason"]
+           "time_to_train_s", "time_to_train", "feasible", "reason",
+           # the best configuration's pipeline, as rank gives it (pp 1: none), after the first columns
+           "pp", "vpp", "schedule", "bubble_s"]
 
 MAX_COUNTS = 64  # a longer list is almost certainly a typo in a range
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
@@ -124,9 +126,10 @@ def _best(point: Point, profile: MachineProfile, global_batch: int, seq_len: int
     if len(df) == 0 or not bool(df["feasible"].iloc[0]):
         return {**row, "feasible": False, "reason": "no feasible configuration"}
     best = df.iloc[0]
-    for c in ("gx", "gy", "gz", "gdata", "micro_batch"):
+    for c in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp"):
         row[c] = int(best[c])
-    row.update(order=str(best["order"]), checkpointing=bool(best["checkpointing"]),
+    row.update(order=str(best["order"]), schedule=str(best["schedule"]), bubble_s=float(best["bubble_s"]),
+               checkpointing=bool(best["checkpointing"]),
                batch_time_s=float(best["batch_time_s"]), tflops_per_gpu=float(best["tflops_per_gpu"]),
                pct_of_peak=float(best["pct_of_peak"]), memory_gib=float(best["memory_gib"]), feasible=True, reason="")
     return row
@@ -153,6 +156,8 @@ def sweep(points: list[Point], machine: str | MachineProfile, global_batch: int,
     for c in COLUMNS:
         if c not in df:
             df[c] = np.nan
+    for c in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp"):  # counts stay integers beside a count with none
+        df[c] = df[c].astype("Int64")
     feasible = df["feasible"].astype(bool).to_numpy()
     if not feasible.any():
         raise UserError(f"no GPU count has a feasible configuration: {df['reason'].iloc[0]}")
