@@ -2,7 +2,7 @@
 
 A check, not a fit: nothing here is tuned to the published numbers. Settings (reference §5): GPT
 models from 5B upward (layers/hidden/heads of the paper), sequence 2048, global batch 8192 sequences
-(16.8M tokens), on the bundled perlmutter, frontier and alps profiles.
+(16.8M tokens), on the bundled perlmutter, frontier and alps profiles, the paper's 4D space (no pipeline).
 
 Published peaks (Singh et al., "Democratizing AI", SC24, arXiv 2502.08145, abstract and §I):
 620.1 PFLOP/s on 4,096 A100s (Perlmutter), 1.381 EFLOP/s on 32,768 MI250X GCDs (Frontier),
@@ -32,6 +32,7 @@ from axoplan.studies.scale import weak_scaling
 from axoplan.planner.specs import load_model
 
 BATCH = 8192  # sequences of 2048 tokens: 16.8M tokens per batch (reference §5)
+PP = 1  # the paper's runs are 4D (data x 3D tensor), no pipeline: its grids only, like with like
 MODELS = ["gpt-5b", "gpt-10b", "gpt-20b", "gpt-40b", "gpt-60b", "gpt-80b", "gpt-160b", "gpt-175b"]
 PUBLISHED = [  # machine, GPUs, published PFLOP/s (arXiv 2502.08145 abstract)
     ("perlmutter", 4096, 620.1),
@@ -69,7 +70,7 @@ def headline(execution: str, checkpointing: str) -> None:
         for name in MODELS:
             try:
                 df = rank(name, machine, gpus, BATCH, top=1, execution=on_machine(execution, machine),
-                          checkpointing=checkpointing)
+                          checkpointing=checkpointing, pp=PP)
             except UserError as e:
                 rows.append((name, None, str(e)))
                 continue
@@ -92,7 +93,8 @@ def headline(execution: str, checkpointing: str) -> None:
 
 def weak(execution: str, checkpointing: str) -> None:
     for machine, pairs in WEAK.items():
-        df = weak_scaling(pairs, machine, BATCH, execution=on_machine(execution, machine), checkpointing=checkpointing)
+        df = weak_scaling(pairs, machine, BATCH, execution=on_machine(execution, machine), checkpointing=checkpointing,
+                          pp=PP)
         print(f"weak scaling on {machine} (batch {BATCH} x 2048 tokens), efficiency vs {df.attrs['baseline_gpus']} GPUs")
         for _, r in df.iterrows():
             if not r["feasible"]:
