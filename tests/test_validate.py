@@ -209,6 +209,37 @@ def test_a_sweep_from_before_repeats_resumes(tmp_path, pm_path):
     assert list(V.read_results(out / "results.csv")["measured_time_s"]) == [1.0, 2.0]
 
 
+def test_pipeline_options_choose_the_candidates_and_a_resume_must_keep_them(tmp_path, pm_path, capsys):
+    """--pp/--vpp/--schedule restrict the candidates as they restrict rank; sweep.json keeps them, so a
+    resume with others is refused; a sweep.json from before them reads as rank's defaults."""
+    base = ["validate", "--model", "gpt-tiny", "--machine", str(pm_path), "--gpus", "4", "--global-batch", "8",
+            "--all", "--slurm"]
+    plans = {}
+    for pp in ("1", "2", "all"):
+        with pytest.raises(SystemExit) as e:
+            main([*base, "--pp", pp, "--out", str(tmp_path / f"pp{pp}")])
+        assert e.value.code == 0, capsys.readouterr().err
+        plans[pp] = pd.read_csv(tmp_path / f"pp{pp}" / "plan.csv")
+    assert set(plans["1"]["pp"]) == {1} and set(plans["2"]["pp"]) == {2}
+    assert all(c.split("-")[1] == "pp2" for c in plans["2"]["candidate"])
+    assert len(plans["all"]) == len(plans["1"]) + len(plans["2"])  # gpt-tiny's 2 blocks: at most 2 stages
+    sj = json.loads((tmp_path / "pp2" / "sweep.json").read_text())
+    assert (sj["pp"], sj["vpp"], sj["schedule"]) == (2, None, "all")
+    sw = V.read_sweep_json(tmp_path / "pp2" / "sweep.json", V.Sweep)
+    (tmp_path / "pp2" / "results.csv").write_text("x\n")  # a sweep under way
+    with pytest.raises(UserError, match="other arguments.*pp"):
+        V.run_sweep(V.Sweep(**{**sj, "pp": 1}), tmp_path / "pp2", resume=True, echo=lambda s: None)
+    assert sw.pp == 2
+    for key in ("pp", "vpp", "schedule"):
+        del sj[key]
+    (tmp_path / "old.json").write_text(json.dumps(sj))
+    old = V.read_sweep_json(tmp_path / "old.json", V.Sweep)
+    assert (old.pp, old.vpp, old.schedule) == ("all", None, "all")
+    (tmp_path / "bad.json").write_text(json.dumps({**sj, "pp": "two"}))
+    with pytest.raises(UserError, match="pp must be"):
+        V.read_sweep_json(tmp_path / "bad.json", V.Sweep)
+
+
 def test_slurm_array_and_collect(tmp_path, pm_path):
     out = tmp_path / "slurm sweep"
     path = V.write_slurm_array(sweep(pm_path, top_k=3), out)

@@ -200,14 +200,15 @@ def _emit_framework(framework, chosen, model, profile, gpus, global_batch, seq_l
 MIN_TIED_RUNS = 3  # fewer cannot score a ranking (Kendall tau, best in top 3)
 
 
-def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing) -> int:
+def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing, pp="all", vpp=None,
+                schedule="all") -> int:
     """How many distinct grids/orders validate runs by default: those the ranking calls tied with the best
     (the evidence cannot order them), at least MIN_TIED_RUNS; said in one line."""
     from axoplan.loop.validate import distinct_configs
     from axoplan.planner.rank import ranking
 
     r = ranking(model, machine, gpus, global_batch, seq_len=seq_len, micro_batch=micro_batch,
-                checkpointing=checkpointing)
+                checkpointing=checkpointing, pp=pp, vpp=vpp, schedule=schedule)
     plan = distinct_configs(r.frame())
     tied = int(plan["tied"].astype(bool).sum())
     n = min(len(plan), max(MIN_TIED_RUNS, tied))
@@ -239,8 +240,9 @@ def _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkp
               help="Score a --slurm sweep's runs in this folder, or read back one emitted run folder "
                    "(any --framework) into its results.csv.")
 @execution_option
+@pipeline_options
 def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps, warmup, repeats, timeout_s,
-             micro_batch, checkpointing, out, resume, slurm, collect_dir, execution):
+             micro_batch, checkpointing, out, resume, slurm, collect_dir, execution, pp, vpp, pipeline_schedule):
     """Run the top-k (or --all) candidates here with torchrun and score the ranking."""
     from axoplan.loop import validate as sweeps
 
@@ -261,11 +263,14 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
     from axoplan.planner.machine import load_profile
 
     warn(mismatch(load_profile(machine)))  # the runs measure this machine, the ranking is the profile's
+    pp = parse_pp(pp)
     if top_k is None and not run_all:
-        top_k = _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing)
+        top_k = _tied_count(model, machine, gpus, global_batch, seq_len, micro_batch, checkpointing, pp, vpp,
+                            pipeline_schedule)
     sw = sweeps.Sweep(model=model, machine=machine, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                  top_k=None if run_all else top_k, all=run_all, steps=steps, warmup_steps=warmup, timeout_s=timeout_s,
-                 micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats)
+                 micro_batch=micro_batch, checkpointing=checkpointing, repeats=repeats, pp=pp, vpp=vpp,
+                 schedule=pipeline_schedule)
     if slurm:
         path = sweeps.write_slurm_array(sw, out)
         click.echo(f"wrote {path} and one run directory per candidate under {Path(out) / 'runs'}")

@@ -88,6 +88,10 @@ class Sweep:
     micro_batch: int | None = None
     checkpointing: str = "both"
     repeats: int = 1  # passes over the candidates, round robin; a candidate's time is the median
+    # the pipelines the candidates may have, as rank's: pp "all" or a stage count, vpp, schedule "all" or one
+    pp: int | str = "all"
+    vpp: int | None = None
+    schedule: str = "all"
 
     def check(self) -> Sweep:
         if self.repeats < 1:
@@ -131,7 +135,7 @@ def plan_candidates(sw: Sweep) -> pd.DataFrame:
     from axoplan.planner.rank import rank
 
     df = rank(sw.model, sw.machine, sw.gpus, sw.global_batch, seq_len=sw.seq_len, micro_batch=sw.micro_batch,
-              checkpointing=sw.checkpointing)
+              checkpointing=sw.checkpointing, pp=sw.pp, vpp=sw.vpp, schedule=sw.schedule)
     plan = distinct_configs(df)
     if not sw.all and sw.top_k is not None:
         plan = plan.head(sw.top_k)

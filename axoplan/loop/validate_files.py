@@ -180,20 +180,24 @@ def read_sweep_json(path: str | Path, cls):
     if not isinstance(d, dict):
         raise UserError(f"sweep file '{p}' is not a JSON object of the sweep's arguments")
     d.setdefault("repeats", 1)
+    for k, v in (("pp", "all"), ("vpp", None), ("schedule", "all")):  # a sweep begun before these: rank's defaults
+        d.setdefault(k, v)
     fields = set(cls.__dataclass_fields__)
     unknown = sorted(set(d) - fields)
     missing = sorted(f for f in ("model", "machine", "gpus", "global_batch") if f not in d)
     if unknown or missing:
         raise UserError(f"sweep file '{p}' is not an axoplan validate sweep ("
                         + (f"unknown key(s) {', '.join(unknown[:4])}" if unknown else f"no {', '.join(missing)}") + ")")
-    ints = ("gpus", "global_batch", "seq_len", "top_k", "steps", "warmup_steps", "micro_batch", "repeats")
+    ints = ("gpus", "global_batch", "seq_len", "top_k", "steps", "warmup_steps", "micro_batch", "repeats", "vpp")
     for k in ints:
         v = d.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise UserError(f"sweep file '{p}': {k} must be an integer, got {v!r}")
-    for k in ("model", "machine", "checkpointing"):
+    for k in ("model", "machine", "checkpointing", "schedule"):
         if k in d and not isinstance(d[k], str):
             raise UserError(f"sweep file '{p}': {k} must be a string, got {d[k]!r}")
+    if d["pp"] != "all" and (isinstance(d["pp"], bool) or not isinstance(d["pp"], int)):
+        raise UserError(f"sweep file '{p}': pp must be \"all\" or an integer, got {d['pp']!r}")
     t = d.get("timeout_s", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         raise UserError(f"sweep file '{p}': timeout_s must be a number, got {t!r}")
