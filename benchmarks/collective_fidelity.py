@@ -324,6 +324,8 @@ def predict_node(r: dict, model: str, latency_scale: float = 1.0) -> float:
     prof = _node_profile(r["machine"], gpn, model, latency_scale)
     kind, nb, p = r["collective"], float(r["bytes"]), np.array([gpn])
     bw = prof.group_busbw(p, np.array([1]))
+    if kind == "all_reduce":  # the node's switch may reduce it (NVLS: MachineProfile.intra_nvls)
+        bw = prof.all_reduce_busbw(p, True, bw)
     if model == "before":
         return float(C.ring_time(prof, kind, nb, p, bw, prof.group_latency(p, np.array([1])), True, 1)[0])
     return float(C.node_protocol_seconds(prof, kind, nb, gpn, bw[0]))

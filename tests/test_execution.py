@@ -112,9 +112,10 @@ def test_tp_overlap_and_sequence_parallel_timing():
     s_on, _ = _sched(m, prof, (1, 8, 1, 4), PRESETS["megatron-core"], batch=32)
     t_on = timing.step_time(prof, s_on, True).batch
     assert float(t_on[0]) < float(t_off[0])
-    # the forward all-reduce sits beside its window's GEMM; SP's input gather beside the dI GEMM of normal layers
+    # the forward's tensor-parallel call (under SP its reduce-scatter and the next layer's all-gather) sits beside
+    # its window's GEMM; SP's input gather beside the dI GEMM of normal layers
     qkv_f, attn_f = s_on.forward.block[0], s_on.forward.block[1]
-    assert [c.kind for c in attn_f.beside["gemm fwd"]] == ["all_reduce"] and not attn_f.blocking
+    assert [c.kind for c in attn_f.beside["gemm fwd"]] == ["reduce_scatter+all_gather"] and not attn_f.blocking
     qkv_b = [w for w in s_on.backward.block if w.name == "qkv"][0]
     assert [(c.kind, c.axis) for c in qkv_b.beside["gemm dgrad"]] == [("all_gather", "y")]
     assert "gemm dgrad" not in [w for w in s_on.backward.block if w.name == "attn_out"][0].beside

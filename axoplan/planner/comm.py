@@ -61,9 +61,19 @@ class Groups:
     fixed: dict  # (axis, kind) -> s
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
     nodes: dict = None  # axis -> (members per node, nodes spanned): the protocol model's placement
+    busbw_ar: dict = None  # axis -> an all-reduce's bus bandwidth where it differs from busbw (NVLS inside a node)
+
+    def bw(self, axis: str, kind: str):
+        """The bus bandwidth (bytes/s) a collective of `kind` gets on `axis`: busbw, an all-reduce's own where
+        the node reduces in its switch (MachineProfile.intra_nvls)."""
+        return self.busbw_ar[axis] if kind == "all_reduce" and self.busbw_ar is not None else self.busbw[axis]
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# a tensor-parallel all-reduce that sequence parallelism splits into a reduce-scatter and an all-gather of the same
+# buffer (Megatron's and torchtitan's SP): two calls timed as their sum, at the ring's bandwidth, not the all-reduce's
+# NVLS or tree (an HGX H200's all-gathers and reduce-scatters measure at the ring's: dgx-h100.yaml)
+SP_PAIR = "reduce_scatter+all_gather"
 
 
 def ring_steps(kind: str, p):
@@ -337,15 +347,16 @@ class _Coefficients(dict):
     pair's reference cycle frees its arrays at the next garbage collection, which lets glibc reuse heap pages
     instead of trimming and page-faulting them back; with malloc's thresholds pinned the two are equal.)"""
 
-    def __init__(self, profile, size, busbw, lat, inside, stride):
+    def __init__(self, profile, size, busbw, lat, inside, stride, busbw_ar):
         super().__init__()
         self.fixed = _Fixed(self)
-        self._args = (profile, size, busbw, lat, inside, stride)
+        self._args = (profile, size, busbw, lat, inside, stride, busbw_ar)
 
     def __missing__(self, key):
-        profile, size, busbw, lat, inside, stride = self._args
+        profile, size, busbw, lat, inside, stride, busbw_ar = self._args
         a, kind = key
-        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], busbw[a], lat[a], inside[a], stride[a])
+        bw = busbw_ar[a] if kind == "all_reduce" else busbw[a]
+        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], bw, lat[a], inside[a], stride[a])
         return self[key]
 
 
@@ -390,7 +401,10 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
         inside[name] = np.all([inside[a] | (size[a] <= 1) for a in axes], axis=0)
     for d in (size, stride, busbw, lat, inside):
         del d["P"]
-    per_byte = _Coefficients(profile, size, busbw, lat, inside, stride)
+    # an all-reduce inside a node may reduce in the switch (NVLS): its own bandwidth, the combined groups' by
+    # their own size (an 8-member Z x D group inside a node reduces as one)
+    busbw_ar = {a: profile.all_reduce_busbw(size[a], inside[a], busbw[a]) for a in size}
+    per_byte = _Coefficients(profile, size, busbw, lat, inside, stride, busbw_ar)
     shapes = None
     if profile.coll_table is not None:
         shapes = {}
@@ -399,7 +413,8 @@ def place(profile: MachineProfile, c: Candidates) -> Groups:
             shapes[a] = np.unique(pairs, axis=0, return_inverse=True)
     spans = profile.physics.protocols or profile.physics.stalls  # the models that need the nodes a group spans
     nodes = {a: group_nodes(profile, size[a], stride[a]) for a in size} if spans else None
-    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes, nodes)
+    return Groups(size, stride, busbw, lat, per_byte, per_byte.fixed, shapes, nodes,
+                  busbw_ar if profile.intra_nvls else None)
 
 
 def table_seconds(profile: MachineProfile, kind: str, size: int, stride: int, nbytes, burst=0.0) -> np.ndarray:
@@ -501,6 +516,10 @@ def _replace_where(mask, t, fn, *args) -> np.ndarray:
 
 
 def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Collective:
+    if kind == SP_PAIR:
+        rs, ag = (_coll(profile, g, layer, phase, k, axis, nbytes, burst) for k in ("reduce_scatter", "all_gather"))
+        over = None if rs.overhead is None else rs.overhead + ag.overhead
+        return Collective(layer, phase, kind, axis, rs.nbytes, rs.seconds + ag.seconds, overhead=over)
     nbytes = np.asarray(nbytes, dtype=np.float64)
     t = nbytes * g.per_byte[axis, kind] + g.fixed[axis, kind]
     if profile.physics.protocols is not None:
@@ -512,7 +531,7 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
                            nbytes, p, m, n, g.busbw[axis])
         if profile.physics.protocols.inside_node is not None:
             t = _replace_where((n <= 1) & (p > 1), t, lambda nb, p, bw: node_protocol_seconds(profile, kind, nb, p, bw),
-                               nbytes, p, g.busbw[axis])
+                               nbytes, p, g.bw(axis, kind))
     if any(st.kind == kind for st in profile.physics.stalls):
         t = np.maximum(t, stall_seconds(profile.physics.stalls, kind, nbytes, g.size[axis], g.nodes[axis][1]))
     if g.shapes is not None:
@@ -560,21 +579,23 @@ def stage_transfer_seconds(profile: MachineProfile, g: Groups, nbytes) -> tuple[
 
 
 def linear_collectives(profile, g: Groups, lin: LinearShape, tokens, dtype_bytes: int,
-                       sequence_parallel: bool = False, reduce_bytes: int | None = None) -> dict[str, Collective]:
+                       sequence_parallel: bool = False, reduce_bytes: int | None = None,
+                       split_all_reduce: bool | None = None) -> dict[str, Collective]:
     """Per micro-batch: fwd all-reduce of O over the in-axis, bwd all-reduce of dI over the out-axis,
     all-gather of the weight block and reduce-scatter of its gradient over Z. With sequence parallelism a
-    normal layer's backward gathers its token-split input over Y again (ag_input; the all-reduces become a
-    reduce-scatter and an all-gather of the same ring volume). reduce_bytes: the gradient reduce-scatter's
-    dtype where it is not the compute dtype."""
+    normal layer's backward gathers its token-split input over Y again (ag_input), and the all-reduces become a
+    reduce-scatter and an all-gather of the same buffer (SP_PAIR; split_all_reduce says so apart from ag_input,
+    for the LM head). reduce_bytes: the gradient reduce-scatter's dtype where it is not the compute dtype."""
     ax_in, ax_out = lin.axes
     k, n = lin.local(g.size["x"], g.size["y"])
     block = padded_block(k * n, g.size["z"])
+    tp = SP_PAIR if (sequence_parallel if split_all_reduce is None else split_all_reduce) else "all_reduce"
     extra = {}
     if sequence_parallel and not lin.transposed:
         extra["ag_input"] = _coll(profile, g, lin.name, "bwd", "all_gather", ax_out, tokens * k * dtype_bytes)
     return {**extra,
-        "ar_fwd": _coll(profile, g, lin.name, "fwd", "all_reduce", ax_in, tokens * n * dtype_bytes),
-        "ar_bwd": _coll(profile, g, lin.name, "bwd", "all_reduce", ax_out, tokens * k * dtype_bytes),
+        "ar_fwd": _coll(profile, g, lin.name, "fwd", tp, ax_in, tokens * n * dtype_bytes),
+        "ar_bwd": _coll(profile, g, lin.name, "bwd", tp, ax_out, tokens * k * dtype_bytes),
         "ag": _coll(profile, g, lin.name, "fwd", "all_gather", "z", block * dtype_bytes),
         "rs": _coll(profile, g, lin.name, "bwd", "reduce_scatter", "z", block * (reduce_bytes or dtype_bytes)),
     }
@@ -625,14 +646,16 @@ def norm_collectives(profile, g: Groups, model: ModelSpec, tokens, name: str) ->
 
 
 def embedding_collectives(profile, g: Groups, model: ModelSpec, tokens, dtype_bytes,
-                          reduce_bytes: int | None = None) -> dict[str, Collective]:
+                          reduce_bytes: int | None = None, sequence_parallel: bool = False) -> dict[str, Collective]:
     """Vocabulary-parallel embedding [V/gy, H/gx], flat-sharded over Z: all-gather before the lookup,
-    all-reduce of the partial lookups over Y, reduce-scatter of the gradient (the backward needs no weight)."""
+    all-reduce of the partial lookups over Y (with sequence parallelism a reduce-scatter to the token split and
+    the first layer's all-gather: SP_PAIR), reduce-scatter of the gradient (the backward needs no weight)."""
     rows, cols = model.embedding_local(g.size["x"], g.size["y"])
     block = padded_block(rows * cols, g.size["z"])
+    tp = SP_PAIR if sequence_parallel else "all_reduce"
     return {
         "ag": _coll(profile, g, "embedding", "fwd", "all_gather", "z", block * dtype_bytes),
-        "ar_fwd": _coll(profile, g, "embedding", "fwd", "all_reduce", "y", tokens * cols * dtype_bytes),
+        "ar_fwd": _coll(profile, g, "embedding", "fwd", tp, "y", tokens * cols * dtype_bytes),
         "rs": _coll(profile, g, "embedding", "bwd", "reduce_scatter", "z", block * (reduce_bytes or dtype_bytes)),
     }
 

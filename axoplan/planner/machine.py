@@ -49,7 +49,8 @@ COMPUTE_KEYS = {"source": TEXT, "peak_tflops": NUM, "kernel_overhead_us": NUM, "
                 "attention": ATTENTION_KEYS,
                 "elementwise_kernels": FREE}  # refused by _no_framework_fields, with the reason
 INTRA_NODE_KEYS = {"source": TEXT, "latency_us": NUM, "table": TABLE_KEYS,
-                   "groups": [{"size": NUM, "stride": NUM, "busbw_gbs": NUM, "source": TEXT}]}
+                   "groups": [{"size": NUM, "stride": NUM, "busbw_gbs": NUM, "source": TEXT}],
+                   "nvls_all_reduce": [{"size": NUM, "busbw_gbs": NUM, "source": TEXT}]}
 INTER_NODE_KEYS = {"source": TEXT, "busbw_gbs": NUM, "latency_us": NUM, "ring_busbw_gbs": NUM}
 COLLECTIVE_SCALE_KEYS = {"bandwidth_scale": NUM, "latency_scale": NUM, "source": TEXT}
 COLLECTIVES_KEYS = {"source": TEXT, "all_gather": COLLECTIVE_SCALE_KEYS, "reduce_scatter": COLLECTIVE_SCALE_KEYS,
@@ -301,6 +302,10 @@ class MachineProfile:
     # bytes/s one ring (one communicator's channels) can carry across a node boundary, however few rings share
     # the node's NICs (network.inter_node.ring_busbw_gbs; inf: only the node's share, busbw / rings, bounds it)
     inter_ring_busbw: float = float("inf")
+    # ((members, busbw bytes/s), ...): an all-reduce of a group of that many members inside one node runs NCCL's
+    # NVLS (NVLink SHARP, the reduction in the NVSwitch) at this bus bandwidth; other collectives and other
+    # sizes run the ring (intra_groups). Empty: no NVLS (the node's switch does no multicast, or too few members)
+    intra_nvls: tuple = ()
     # compute.gemm.waves: (SMs, output tiles) quantizing the analytic GEMM curve (wave_efficiency); None: not modelled
     gemm_waves: tuple | None = None
     # compute.gemm.unaligned_tflops (FLOP/s): the most a GEMM any of whose dimensions is not a whole number of
@@ -390,6 +395,21 @@ class MachineProfile:
             bw = np.array([self.intra_busbw(int(a), int(b)) if a >= 2 else np.nan for a, b in pairs])
             out[inside] = bw[inv.reshape(-1)] * self.corrections.intra_bw_scale
         out[size_b <= 1] = np.inf
+        return out
+
+    def all_reduce_busbw(self, size, inside, ring) -> np.ndarray:
+        """The bus bandwidth (bytes/s) of an all-reduce over groups of `size` members, `inside` one node or not,
+        whose ring path has `ring` (group_busbw): a group inside a node whose size intra_nvls lists takes NVLS
+        where that is faster (NCCL chooses it); every other group its ring."""
+        ring = np.asarray(ring, dtype=np.float64)
+        if not self.intra_nvls:
+            return ring
+        table = dict(self.intra_nvls)
+        size_b, inside_b, out = np.broadcast_arrays(np.asarray(size), np.asarray(inside, dtype=bool), ring)
+        out = np.array(out, dtype=np.float64)
+        for members, bw in table.items():
+            hit = inside_b & (size_b == members)
+            out[hit] = np.maximum(out[hit], bw * self.corrections.intra_bw_scale)
         return out
 
     def group_inside(self, size, stride) -> np.ndarray:
@@ -1019,6 +1039,20 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         if size * stride > gpn:
             rd.fail(p, f"spans {size:g} x {stride:g} GPUs, more than gpus_per_node ({gpn:g})")
         parsed_groups.append((int(size), int(stride), rd.num(g, "busbw_gbs", p) * GB))
+    nvls = intra.get("nvls_all_reduce") or []
+    if not isinstance(nvls, list):
+        rd.fail("network.intra_node.nvls_all_reduce", "must be a list of {size, busbw_gbs, source}")
+    parsed_nvls = []
+    for i, g in enumerate(nvls):
+        p = f"network.intra_node.nvls_all_reduce[{i}]"
+        if not isinstance(g, dict):
+            rd.fail(p, "must be a mapping {size, busbw_gbs, source}")
+        size = rd.num(g, "size", p)
+        if size != int(size) or size < 2 or size > gpn:
+            rd.fail(p, f"size must be an integer from 2 to gpus_per_node ({gpn:g})")
+        if int(size) in dict(parsed_nvls):
+            rd.fail(p, f"repeats size {size:g}")
+        parsed_nvls.append((int(size), rd.num(g, "busbw_gbs", p) * GB))
 
     bw_scale, lat_scale = {}, {}
     for c in COLLECTIVES:
@@ -1110,6 +1144,7 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
         inter_busbw=rd.num(inter, "busbw_gbs", "network.inter_node") * GB,
         inter_latency=rd.num(inter, "latency_us", "network.inter_node", allow_zero=True) * US,
         inter_ring_busbw=rd.num(inter, "ring_busbw_gbs", "network.inter_node", default=float("inf")) * GB,
+        intra_nvls=tuple(sorted(parsed_nvls)),
         coll_bw_scale=bw_scale,
         coll_lat_scale=lat_scale,
         corrections=corrections,

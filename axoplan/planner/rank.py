@@ -340,7 +340,7 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
               else sched.collective_rows(0, ckpt))
     rows = [{"layer": cl.layer, "phase": cl.phase, "collective": cl.kind, "axis": cl.axis,
              "group_size": int(np.ravel(g.size[cl.axis])[0]), "stride": int(np.ravel(g.stride[cl.axis])[0]),
-             "bytes": float(np.ravel(cl.nbytes)[0]), "busbw_gbs": float(np.ravel(g.busbw[cl.axis])[0]) / 1e9,
+             "bytes": float(np.ravel(cl.nbytes)[0]), "busbw_gbs": float(np.ravel(g.bw(cl.axis, cl.kind))[0]) / 1e9,
              "time_per_call_s": float(np.ravel(cl.seconds)[0]), "calls_per_step": calls,
              "total_s": float(np.ravel(cl.seconds)[0]) * calls}
             for cl, calls in listed]

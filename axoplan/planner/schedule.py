@@ -258,8 +258,8 @@ def build(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates, ck
     g = groups
     r = ex.reduce_bytes(e)
     colls = [comm.linear_collectives(profile, g, lin, T, e, ex.sequence_parallel, r) for lin in lins]
-    head_colls = comm.linear_collectives(profile, g, lm, T, e, reduce_bytes=r)
-    emb_colls = comm.embedding_collectives(profile, g, model, T, e, r)
+    head_colls = comm.linear_collectives(profile, g, lm, T, e, reduce_bytes=r, split_all_reduce=ex.sequence_parallel)
+    emb_colls = comm.embedding_collectives(profile, g, model, T, e, r, ex.sequence_parallel)
     norm_f, norm_b = comm.norm_collectives(profile, g, model, T, "norm")
     loss = list(comm.loss_collectives(profile, g, T))
 
