@@ -978,6 +978,19 @@ def _table_path(d: dict, key: str, base_dir: Path | None, rd: _Reader) -> Path |
     return p if p.is_absolute() else (base_dir or Path.cwd()) / p
 
 
+def _mapping_rows(rd, rows, where: str, fields: str, required: bool = True):
+    """(path, mapping) of each row of a profile's list of mappings `rows` at `where`; one sentence where it is not
+    a list of mappings (required: nor empty)."""
+    if rows is None and not required:
+        return
+    if not isinstance(rows, list) or (required and not rows):
+        rd.fail(where, f"must be a {'non-empty ' if required else ''}list of {fields}")
+    for i, g in enumerate(rows):
+        if not isinstance(g, dict):
+            rd.fail(f"{where}[{i}]", f"must be a mapping {fields}")
+        yield f"{where}[{i}]", g
+
+
 def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> MachineProfile:
     rd = _Reader(where)
     if not isinstance(d, dict):
@@ -1025,28 +1038,17 @@ def profile_from_dict(d: Any, where: str, base_dir: Path | None = None) -> Machi
     if bad_corr:
         rd.fail(f"corrections.{bad_corr[0]}", f"is not a correction (known: {', '.join(sorted(known_corr - {'source'}))})")
 
-    groups = intra.get("groups")
-    if not isinstance(groups, list) or not groups:
-        rd.fail("network.intra_node.groups", "must be a non-empty list of {size, stride, busbw_gbs, source}")
     parsed_groups = []
-    for i, g in enumerate(groups):
-        p = f"network.intra_node.groups[{i}]"
-        if not isinstance(g, dict):
-            rd.fail(p, "must be a mapping {size, stride, busbw_gbs, source}")
+    for p, g in _mapping_rows(rd, intra.get("groups"), "network.intra_node.groups", "{size, stride, busbw_gbs, source}"):
         size, stride = rd.num(g, "size", p), rd.num(g, "stride", p, default=1.0)
         if size != int(size) or stride != int(stride) or size < 2:
             rd.fail(p, "size and stride must be integers, size >= 2")
         if size * stride > gpn:
             rd.fail(p, f"spans {size:g} x {stride:g} GPUs, more than gpus_per_node ({gpn:g})")
         parsed_groups.append((int(size), int(stride), rd.num(g, "busbw_gbs", p) * GB))
-    nvls = intra.get("nvls_all_reduce") or []
-    if not isinstance(nvls, list):
-        rd.fail("network.intra_node.nvls_all_reduce", "must be a list of {size, busbw_gbs, source}")
     parsed_nvls = []
-    for i, g in enumerate(nvls):
-        p = f"network.intra_node.nvls_all_reduce[{i}]"
-        if not isinstance(g, dict):
-            rd.fail(p, "must be a mapping {size, busbw_gbs, source}")
+    for p, g in _mapping_rows(rd, intra.get("nvls_all_reduce"), "network.intra_node.nvls_all_reduce",
+                              "{size, busbw_gbs, source}", required=False):
         size = rd.num(g, "size", p)
         if size != int(size) or size < 2 or size > gpn:
             rd.fail(p, f"size must be an integer from 2 to gpus_per_node ({gpn:g})")
