@@ -199,6 +199,14 @@ def pipeline_options(f, default_pp="all"):
     return f
 
 
+# the placements a search covers (rank, scale): one, or every distinct one
+search_order_option = click.option(
+    "--order", default="all", show_default=True, metavar="ORDER", type=click.Choice(list(PLACEMENTS) + ["all", "every"]),
+    help="Placement order of x, y, z, innermost first, data outside them (all: every distinct one, the pipeline axis "
+         "outermost); with p among them (e.g. xyzp) the pipeline axis sits there, inside data; every: all, and each "
+         "pipeline inside data too.")
+
+
 def parse_pp(pp, allow_all: bool = True):
     if allow_all and str(pp) == "all":
         return "all"
@@ -247,11 +255,7 @@ def _format(df, fmt: str) -> str:
 @_common
 @click.option("--top", "-k", type=inputs.Count(1), default=10, show_default=True, help="Show the best K feasible configurations.")
 @click.option("--all", "show_all", is_flag=True, help="Every candidate, infeasible ones too (with their reason).")
-@click.option("--order", default="all", show_default=True, metavar="ORDER",
-              type=click.Choice(list(PLACEMENTS) + ["all", "every"]),
-              help="Placement order of x, y, z, innermost first, data outside them (all: every distinct one, the "
-                   "pipeline axis outermost); with p among them (e.g. xyzp) the pipeline axis sits there, inside "
-                   "data; every: all, and each pipeline inside data too.")
+@search_order_option
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size (sequences per GPU).")
 @click.option("--checkpointing", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)

@@ -12,9 +12,8 @@ import pandas as pd
 from axoplan import inputs, plots
 from axoplan.atomic import atomic_write_text, check_writable, write_output
 from axoplan.errors import UserError
-from axoplan.cli.plan import execution_option, parse_pp, pipeline_label, pipeline_options
+from axoplan.cli.plan import execution_option, parse_pp, pipeline_label, pipeline_options, search_order_option
 from axoplan.planner.execution import load_execution
-from axoplan.planner.space import PLACEMENTS
 from axoplan.studies.scale import (
     COLUMNS,
     parse_gpus,
@@ -143,11 +142,7 @@ def _progress(i, n, row):
               help="Sequences per optimizer step (the same at every count).")
 @click.option("--seq-len", type=inputs.SEQ_LEN, default=None, help="Tokens per sequence (default: the model's).")
 @click.option("--tokens", "tokens_spec", default=None, help="Token budget for time to train, e.g. 2T, 300B.")
-@click.option("--order", default="all", show_default=True, metavar="ORDER",
-              type=click.Choice(list(PLACEMENTS) + ["all", "every"]),
-              help="Placement order, as rank's: x, y, z innermost first (all: every distinct one, the pipeline "
-                   "axis outermost; with p among them the pipeline axis sits there; every: all, and each pipeline "
-                   "inside data too).")
+@search_order_option
 @click.option("--micro-batch", type=inputs.MICRO_BATCH, default=None, help="Fix the micro-batch size.")
 @click.option("--no-overlap", is_flag=True, help="Model no communication overlap.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)

@@ -404,10 +404,9 @@ class MachineProfile:
         ring = np.asarray(ring, dtype=np.float64)
         if not self.intra_nvls:
             return ring
-        table = dict(self.intra_nvls)
         size_b, inside_b, out = np.broadcast_arrays(np.asarray(size), np.asarray(inside, dtype=bool), ring)
         out = np.array(out, dtype=np.float64)
-        for members, bw in table.items():
+        for members, bw in self.intra_nvls:
             hit = inside_b & (size_b == members)
             out[hit] = np.maximum(out[hit], bw * self.corrections.intra_bw_scale)
         return out

@@ -29,6 +29,8 @@ COLUMNS = ["model", "gpus", "gx", "gy", "gz", "gdata", "order", "micro_batch", "
            # the best configuration's pipeline, as rank gives it (pp 1: none), after the first columns
            "pp", "vpp", "schedule", "bubble_s"]
 
+# the columns that count (grid, micro-batch, pipeline)
+COUNTS = ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp")
 MAX_COUNTS = 64  # a longer list is almost certainly a typo in a range
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 
@@ -126,7 +128,7 @@ def _best(point: Point, profile: MachineProfile, global_batch: int, seq_len: int
     if len(df) == 0 or not bool(df["feasible"].iloc[0]):
         return {**row, "feasible": False, "reason": "no feasible configuration"}
     best = df.iloc[0]
-    for c in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp"):
+    for c in COUNTS:
         row[c] = int(best[c])
     row.update(order=str(best["order"]), schedule=str(best["schedule"]), bubble_s=float(best["bubble_s"]),
                checkpointing=bool(best["checkpointing"]),
@@ -156,7 +158,7 @@ def sweep(points: list[Point], machine: str | MachineProfile, global_batch: int,
     for c in COLUMNS:
         if c not in df:
             df[c] = np.nan
-    for c in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp"):  # counts stay integers beside a count with none
+    for c in COUNTS:  # counts stay integers beside a count with none
         df[c] = df[c].astype("Int64")
     feasible = df["feasible"].astype(bool).to_numpy()
     if not feasible.any():
