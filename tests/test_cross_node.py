@@ -491,6 +491,8 @@ def test_explain_transfers_add_up_where_only_some_boundaries_cross(vpp):
     assert colls["total_s"].sum() == pytest.approx(float(e.summary.iloc[0].comm_s), rel=1e-9)
     row = colls[colls["collective"] == "send/recv"].iloc[0]
     assert float(np.ravel(sched.p2p_near)[0]) <= row["time_per_call_s"] <= float(np.ravel(sched.p2p_far)[0])
+    # its bandwidth as nccl-tests reports a sendrecv's: bytes over time per call
+    assert row["busbw_gbs"] == pytest.approx(row["bytes"] / row["time_per_call_s"] / 1e9, rel=1e-12)
 
 
 # the same profile with groups inside a node by NCCL's single-node rows (test numbers, worked by hand below)

@@ -349,9 +349,11 @@ def explain(model: str | ModelSpec, machine: str | MachineProfile, gpus: int, gl
         # the listed rank's mean transfer over its boundaries (inside a node or across), as its comm_s has it
         per_boundary = np.where(crosses, far, near)[:, None]
         sec = float(stage_timing.rank_transfer_seconds(per_boundary, int(one.vpp[0]))[critical, 0])
+        nb_p2p = float(np.ravel(sched.p2p_bytes)[0])
         rows.append({"layer": "pipeline", "phase": "fwd+bwd", "collective": "send/recv", "axis": "p",
                      "group_size": 2, "stride": stride_p,
-                     "bytes": float(np.ravel(sched.p2p_bytes)[0]), "busbw_gbs": float("nan"),
+                     # nccl-tests' sendrecv convention: a transfer's bus bandwidth is its bytes over its time
+                     "bytes": nb_p2p, "busbw_gbs": nb_p2p / sec / 1e9,
                      "time_per_call_s": sec, "calls_per_step": sends, "total_s": sec * sends})
     colls = pd.DataFrame(rows, columns=["layer", "phase", "collective", "axis", "group_size", "stride", "bytes",
                                         "busbw_gbs", "time_per_call_s", "calls_per_step", "total_s"])
