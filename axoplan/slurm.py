@@ -87,7 +87,7 @@ SITE_KEYS = ("account", "partition", "qos", "constraint")
 
 def site_options(profile) -> dict:
     """The profile's `launch.slurm` mapping (account, partition, qos, constraint, cpus_per_task, gpu_bind), as
-    machine._check_launch validated it; {} when it has none."""
+    profile_reader._check_launch validated it; {} when it has none."""
     raw = getattr(profile, "raw", None) or {}
     launch = raw.get("launch") if isinstance(raw, dict) else None
     sl = launch.get("slurm") if isinstance(launch, dict) else None

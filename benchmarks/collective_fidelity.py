@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from axoplan.calibrate.fit import STALL_RATIO, find_stalls, stalled
 from axoplan.planner import comm as C
 from axoplan.planner import gpu_physics
-from axoplan.planner.machine import GB, _Reader, load_profile
+from axoplan.planner.machine import GB
+from axoplan.planner.profile_reader import _Reader, load_profile
 
 DATA = Path(__file__).resolve().parent / "data"
 # 192 GB/s all-reduce busbw over 8 x 25 GB/s of HDR (NVIDIA/nccl issue #812, the NCCL team)

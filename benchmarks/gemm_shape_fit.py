@@ -26,7 +26,8 @@ from scipy.optimize import minimize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from axoplan.planner.machine import LAYOUTS, GemmTable, load_profile
+from axoplan.planner.profile_tables import LAYOUTS, GemmTable
+from axoplan.planner.profile_reader import load_profile
 
 DATA = Path(__file__).resolve().parent / "data"
 H100_SMS = 132  # H100 SXM5 streaming multiprocessors (NVIDIA H100 datasheet)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from axoplan.atomic import atomic_write_text
 from axoplan.calibrate.gemm import operands
 from axoplan.calibrate.timing import _cpu_batch, _cuda_batch, settle_clock
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 
 GPU_SHAPES = "8192x8192x8192,4096x14336x4096,4096x4096x14336"
 CPU_SHAPES = "512x512x512,256x1024x256"

@@ -34,7 +34,7 @@ CASES = "gpt-20b:32:32,gpt-40b:64:64,llama3-8b:64:64"
 def grids(model: str, gpus: int, batch: int) -> list[tuple[int, int, int, int]]:
     """Grids the model divides, order xyz, micro-batch B/(gz*gdata), checkpointing on."""
     from axoplan.planner.batch import evaluate
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import Job, load_model
 
     m = load_model(model)
@@ -59,7 +59,7 @@ def pipeline_grids(model: str, gpus: int, batch: int, pp: int, machine: str = "p
     it the most (ties: the fastest)."""
     from axoplan.planner.batch import evaluate
     from axoplan.planner.execution import trainer_execution
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.pipeline import SCHEDULES
     from axoplan.planner.specs import Job, load_model
 

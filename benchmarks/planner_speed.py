@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from axoplan.allocator import keep_freed_memory  # noqa: E402
 from axoplan.planner.batch import evaluate  # noqa: E402
-from axoplan.planner.machine import load_profile  # noqa: E402
+from axoplan.planner.profile_reader import load_profile  # noqa: E402
 from axoplan.planner.rank import WALKED_BY_DEFAULT  # noqa: E402
 from axoplan.planner.execution import PRESETS  # noqa: E402
 from axoplan.planner.space import enumerate_space, pipeline_choices  # noqa: E402

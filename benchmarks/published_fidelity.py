@@ -65,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from axoplan.errors import UserError
 from axoplan.planner.execution import AXOPLAN, PRESETS, Execution
 from axoplan.planner.gpu_physics import GpuPhysics
-from axoplan.planner.machine import GB, GIB, load_profile
+from axoplan.planner.machine import GB, GIB
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import explain
 from axoplan.planner.specs import ModelSpec, load_model
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from axoplan.loop import validate as V  # noqa: E402
 from axoplan.loop.launch import pipeline_of  # noqa: E402
-from axoplan.planner.machine import load_profile  # noqa: E402
+from axoplan.planner.profile_reader import load_profile  # noqa: E402
 from axoplan.planner.rank import explain  # noqa: E402
 from axoplan.loop.refit import format_report, predict, refit_profile, runs_from_results  # noqa: E402
 

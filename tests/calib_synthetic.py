@@ -31,7 +31,7 @@ def nccl_truth(lat_scale: float, nic_path: str = "PXB", nvls: bool = False):
     """NCCL's default protocol rows for an H100 on Intel hosts (the synthetic GPU run's truth); nvls: with
     NVLSTree, as on HGX boards whose NVSwitch does multicast."""
     from axoplan.planner import gpu_physics
-    from axoplan.planner.machine import _Reader
+    from axoplan.planner.profile_reader import _Reader
 
     d = gpu_physics.nccl_protocols(90, "intel", nic_path, nvls)
     return gpu_physics.parse({"network": {"protocols": d}}, _Reader("test")).protocols, lat_scale

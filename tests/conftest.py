@@ -101,7 +101,7 @@ def pm_path(write_profile) -> Path:
 
 @pytest.fixture
 def pm(pm_path):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     return load_profile(str(pm_path))
 

@@ -20,7 +20,7 @@ VALUES = ["batch_time_s", "compute_s", "comm_s", "exposed_comm_s", "memory_gib",
 
 def jobs():
     """(model, profile, gpus, global batch) for every preset x profile, sized so that most fit."""
-    from axoplan.planner.machine import profile_names
+    from axoplan.planner.profile_reader import profile_names
     from axoplan.planner.specs import load_model, preset_names
 
     for name in preset_names():

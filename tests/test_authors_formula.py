@@ -12,7 +12,7 @@ import pytest
 
 from axoplan.planner import comm as C
 from axoplan.planner.batch import evaluate
-from axoplan.planner.machine import profile_from_dict
+from axoplan.planner.profile_reader import profile_from_dict
 from axoplan.planner.space import enumerate_space, factorizations4
 from axoplan.planner.specs import Job, LinearShape, load_model
 

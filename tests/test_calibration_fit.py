@@ -108,7 +108,7 @@ def test_gpu_run_across_nodes_fits_nccls_protocol_model(tmp_path):
     assert net["protocols"]["latency_scale"]["value"] == pytest.approx(1.6, rel=0.05)
     simple = net["protocols"]["ring"][2]
     assert simple["protocol"] == "Simple" and simple["net_us"] == 14.0  # NCCL's default row, unscaled
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     profile_writer.write(rd, tmp_path / "gpu.yaml")
     prof = load_profile(str(tmp_path / "gpu.yaml"))
@@ -127,7 +127,7 @@ def test_gpu_run_whose_all_gathers_stall_writes_network_stalls(tmp_path):
     assert row["step_us"] == pytest.approx(400, rel=0.03)
     assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
     assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     profile_writer.write(rd, tmp_path / "gpu.yaml")
     (st,) = load_profile(str(tmp_path / "gpu.yaml")).physics.stalls
@@ -163,7 +163,7 @@ def test_gpu_run_with_nvls_writes_nccls_nvls_tree_row(tmp_path):
     assert pr["nvls_tree"] == [gpu_physics.nvls_tree_row()]
     assert built.summary["protocols"]["latency_scale"] == pytest.approx(1.6, rel=0.05)
     assert built.profile["network"]["inter_node"]["busbw_gbs"]["value"] == pytest.approx(120, rel=0.05)
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     profile_writer.write(rd, tmp_path / "gpu.yaml")
     assert load_profile(str(tmp_path / "gpu.yaml")).physics.protocols.nvls_tree

@@ -44,7 +44,7 @@ def test_written_profile_round_trips(tmp_path):
 
 
 def test_written_profile_loads_with_the_planner(tmp_path):
-    machine = pytest.importorskip("axoplan.planner.machine")
+    machine = pytest.importorskip("axoplan.planner.profile_reader")
     out = tmp_path / "synth.yaml"
     profile_writer.write(write(tmp_path / "r"), out)
     prof = machine.load_profile(str(out))

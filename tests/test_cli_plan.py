@@ -252,7 +252,7 @@ def test_one_option_vocabulary_across_commands(cli, job):
 def test_tables_fit_100_columns_names_whole_units_scaled(cli, monkeypatch):
     """At 100 columns: every line fits, every profile and model name is printed whole, the rank table leaves
     out columns by priority and says which, and CPU-sized numbers read in MiB and GFLOP/s."""
-    from axoplan.planner.machine import profile_names
+    from axoplan.planner.profile_reader import profile_names
     from axoplan.planner.specs import preset_names
 
     monkeypatch.setenv("COLUMNS", "100")

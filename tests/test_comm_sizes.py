@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_model
 
 from axoplan.planner import comm as C
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import explain
 from axoplan.planner.space import Candidates, factorizations4
 from axoplan.planner.specs import LinearShape, ModelSpec

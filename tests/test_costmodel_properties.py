@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from axoplan.planner.execution import Execution
 from axoplan.planner.batch import evaluate
-from axoplan.planner.machine import GIB, profile_from_dict
+from axoplan.planner.machine import GIB
+from axoplan.planner.profile_reader import profile_from_dict
 from axoplan.planner.rank import rank
 from axoplan.planner.space import divisibility_masks, enumerate_space
 from axoplan.planner.specs import Job, ModelSpec
@@ -257,7 +258,7 @@ def test_gemms_once_per_distinct_grid_equal_every_candidates_own(machine, seed, 
     """block_gemms evaluates each distinct (gx, gy, tokens) once and hands it back: every time, shape and flag
     equals linear_gemms on the candidates themselves (300 candidates over a few grids, as orders repeat them)."""
     from axoplan.planner.compute import block_gemms, linear_gemms
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     rng = np.random.default_rng(seed)
     prof, m = load_profile(machine), tiny_model()
     gx, gy = rng.choice([1, 2, 4], 300), rng.choice([1, 2, 8], 300)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from axoplan.errors import UserError
 from axoplan.planner import comm as C
-from axoplan.planner.machine import load_profile, profile_from_dict
+from axoplan.planner.profile_reader import load_profile, profile_from_dict
 from axoplan.planner.space import Candidates
 from tests.conftest import profile_dict
 
@@ -211,7 +211,7 @@ def test_bundled_dgx_protocol_rows_are_nccls_defaults():
     writes): same rows for their GPU generation and host CPU (NVLSTree on the Hopper boards, whose NVSwitch
     does multicast), plus their measured latency_scale."""
     from axoplan.planner import gpu_physics
-    from axoplan.planner.machine import _Reader
+    from axoplan.planner.profile_reader import _Reader
 
     for name, cap, cpu in (("dgx-a100", 80, "amd"), ("dgx-h100", 90, "intel"), ("dgx-h200", 90, "intel")):
         want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(cap, cpu, nvls=cap == 90)}},
@@ -239,7 +239,7 @@ def test_alps_protocols_are_nccls_for_grace_hopper_fitted_to_slingshot():
     --fit-latency Slingshot-11 --share 0.8` gives over the NCCL sweeps on Slingshot-11 (Alps and Perlmutter) at
     the plateau it carries, 80 GB/s = 0.8 x its 4 x 25 GB/s of NICs, to its two decimals."""
     from axoplan.planner import gpu_physics
-    from axoplan.planner.machine import _Reader
+    from axoplan.planner.profile_reader import _Reader
 
     got = load_profile("alps")
     want = gpu_physics.parse({"network": {"protocols": gpu_physics.nccl_protocols(90, "arm", "P2C")}},
@@ -464,7 +464,8 @@ def test_pipeline_pays_across_nodes_only_where_its_boundaries_cross():
     """GPT-20B, 16 stages one GPU apart (pxyz): with 16 GPUs per node no boundary crosses, with 8 one does
     (and the wrap), with 4 three, with 1 all; the step grows in that order (before per-boundary transfers, 16,
     8 and 4 were priced alike)."""
-    from axoplan.planner.machine import GB, load_profile
+    from axoplan.planner.machine import GB
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.rank import explain
     from axoplan.planner.specs import load_model
 
@@ -546,7 +547,7 @@ def test_bundled_dgx_single_node_rows_are_nccls_and_their_scale_the_published_sw
     is `collective_fidelity.py --fit-node-latency h200-node` to two decimals (the H100 board takes the H200
     node's: same NVLink4 NVSwitch); dgx-a100 carries none, and its comment's 3.46 is the A100 sweep's fit."""
     from axoplan.planner import gpu_physics
-    from axoplan.planner.machine import _Reader
+    from axoplan.planner.profile_reader import _Reader
 
     cf = _collective_fidelity()
     rows = cf.node_rows(cf.load_rows())

@@ -11,7 +11,7 @@ import pytest
 from axoplan.cli.main import main
 from axoplan.device import Device, mismatch, results_mismatch, this_device
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 
 PROFILES = Path(__file__).resolve().parents[1] / "machine_profiles"
 

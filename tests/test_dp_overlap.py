@@ -148,7 +148,7 @@ def test_step_against_its_backward_by_hand(pm, monkeypatch, grid, mb):
 def test_shared_cores_hide_only_eta(monkeypatch):
     """On CPU ranks (localhost-cpu, eta < 1) what runs beside the backward still costs (1 - eta) of itself."""
     monkeypatch.setattr(C, "DP_BUCKET_BYTES", 4)  # every unit its own bucket
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import Job, load_model
 
     p = load_profile("localhost-cpu")
@@ -222,7 +222,7 @@ def test_trainer_launches_each_bucket_inside_the_last_backward(monkeypatch):
 def test_overlap_costs_at_most_the_extra_calls(machine, cap, monkeypatch):
     """Over a whole space: the buckets hide what the last backward covers and never cost more than the
     fixed cost of their extra calls (n_layers + 1 more than the single one), eta 0 to 1 alike."""
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.space import enumerate_space
     from axoplan.planner.specs import Job, load_model
 

@@ -13,7 +13,7 @@ from axoplan.cli.main import main
 from axoplan.loop.launch import (config_from_row, launch_env, nodes_for, slurm_script, torchrun_script,
                                  write_run_dir)
 from axoplan.runconfig import LaunchConfig, load_config
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import rank
 
 

@@ -12,7 +12,7 @@ from axoplan.errors import UserError
 from axoplan.planner import comm, schedule, timing
 from axoplan.planner.compute import elementwise_work, step_work
 from axoplan.planner.execution import AXOPLAN, PRESETS, Execution, load_execution, op_selective
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import explain, rank
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import Job, load_model
@@ -562,7 +562,7 @@ def test_unaligned_gemm_runs_at_most_at_the_profiles_rate_by_hand():
     """compute.gemm.unaligned_tflops: a bf16 GEMM with any dimension not a multiple of 8 elements (16 bytes) takes
     at least 2mnk / 12.2 TFLOP/s; an aligned one of nearly the same size keeps the curve's time; a profile without
     the field (dgx-h100) prices both alike; a rate above the peak is refused."""
-    from axoplan.planner.machine import load_profile, profile_from_dict
+    from axoplan.planner.profile_reader import load_profile, profile_from_dict
     from tests.conftest import profile_dict
 
     p = load_profile("dgx-a100")
@@ -582,7 +582,7 @@ def test_a_sustained_fraction_prices_gemms_at_the_clock_held_under_load_by_hand(
     """compute.gemm.sustained_fraction f: the curve runs at f x ceiling_tflops, so a compute-bound GEMM (dim_half
     given as a number) takes 1/f as long, launch aside; a profile without it is the burst ceiling; the bundled H100
     carries 0.88 (H200 MSMF / MAMF, same die and power limit): 794.5 x 0.88 = 699.16 TFLOP/s; above 1 is refused."""
-    from axoplan.planner.machine import load_profile, profile_from_dict
+    from axoplan.planner.profile_reader import load_profile, profile_from_dict
     from tests.conftest import profile_dict
 
     burst = profile_from_dict(profile_dict(), "burst")

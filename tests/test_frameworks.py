@@ -24,7 +24,7 @@ from conftest import one_sentence, run_cli
 
 from axoplan.loop import run_logs
 from axoplan.loop.frameworks import Plan, framework_execution, write_framework_dir
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import rank
 from axoplan.planner.specs import Job, load_model
 

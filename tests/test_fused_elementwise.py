@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from axoplan.planner.compute import elementwise_work
 from axoplan.planner.execution import AXOPLAN, PRESETS, Execution
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 
 FUSED = Execution(elementwise_kernels="fused", loss_kernel="fused")
 

@@ -9,7 +9,7 @@ from axoplan.planner import comm as C
 from axoplan.planner import compute as K
 from axoplan.planner.timing import overlapped
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile, profile_from_dict
+from axoplan.planner.profile_reader import load_profile, profile_from_dict
 from axoplan.planner.specs import ModelSpec
 from tests.conftest import profile_dict
 

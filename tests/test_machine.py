@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 
 from conftest import profile_dict
 

@@ -7,7 +7,7 @@ import yaml
 from axoplan.planner import comm as C
 from axoplan.planner import compute as K
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile, profile_paths
+from axoplan.planner.profile_reader import load_profile, profile_paths
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import load_model
 

@@ -12,7 +12,7 @@ import pytest
 
 from axoplan.errors import UserError
 from axoplan.planner import comm as C
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.space import Candidates
 
 GB, US, N = 1e9, 1e-6, 64 * 2**20

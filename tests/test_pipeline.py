@@ -142,7 +142,7 @@ def test_pipeline_rules_are_reasons():
 def test_a_pipelined_batch_splits_into_compute_exposed_communication_and_bubble():
     df = axoplan.rank("gpt-20b", "dgx-a100", 64, 256, pp=4, execution="megatron-core", top=20)
     assert (df.pp == 4).all() and (df.bubble_s > 0).all()
-    p = axoplan.planner.machine.load_profile("dgx-a100")
+    p = axoplan.planner.profile_reader.load_profile("dgx-a100")
     total = df.compute_s + df.exposed_comm_s + df.bubble_s + p.corrections.step_overhead_s
     assert np.allclose(total, df.batch_time_s, rtol=1e-9)
 
@@ -235,7 +235,7 @@ def test_ranking_walks_every_candidate_that_can_be_among_the_best(split):
     """rank's top rows, walked only where their bound can be among them, are those of walking every candidate;
     also where each received transfer is gathered again on the receiving stage (split transfers)."""
     from axoplan.planner.batch import evaluate
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import Job, load_model
     from axoplan.planner.execution import PRESETS
 
@@ -262,7 +262,7 @@ def test_chunks_and_unbounded_infeasible_keep_the_best(monkeypatch):
     top rows, every exact time, the memory and the reasons are those of one evaluation of all."""
     from axoplan.planner import batch
     from axoplan.planner.execution import PRESETS
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import Job, load_model
 
     model, prof = load_model("gpt-20b"), load_profile("dgx-a100")
@@ -390,7 +390,7 @@ def test_a_collective_over_more_ranks_than_cores_keeps_its_back_to_back_time_in_
     import dataclasses
 
     from axoplan.planner import comm, timing
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     prof = load_profile("localhost-cpu")  # 4 ranks on 2 cores
     one_core = dataclasses.replace(prof, shared_cores=1)  # pairs no longer fit
@@ -455,7 +455,7 @@ def test_a_cpu_profile_sharing_cores_ranks_pipelines_with_it(tmp_path):
     import yaml
 
     from axoplan.errors import UserError
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     prof = load_profile("localhost-cpu")
     assert prof.shared_cores == 2
@@ -486,7 +486,7 @@ def test_a_schedule_built_once_for_the_vpp_and_schedule_variants_times_each_as_i
     time, memory and reason equals that of each (pp, vpp, schedule) evaluated alone (no two of its candidates
     share a schedule there), bounded and walked alike."""
     from axoplan.planner import batch as B
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import Job, load_model
 
     model, prof = load_model(model_name), load_profile(machine)

@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from axoplan.planner import comm, schedule
 from axoplan.planner.execution import AXOPLAN, PRESETS
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.memory import NORM_BWD_FP32_COPIES, PipelineBuffers, pipeline_buffers, step_moments
 from axoplan.planner.pipeline import peak_in_flight
 from axoplan.planner.space import Candidates

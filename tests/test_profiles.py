@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile, profile_from_dict, profile_names
+from axoplan.planner.profile_reader import load_profile, profile_from_dict, profile_names
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ("perlmutter", "frontier", "alps", "dgx-h100", "dgx-h200", "dgx-a100")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from axoplan.cli.main import main
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import rank
 from axoplan.loop.refit import PARAMS, choose_params, predict, refit, runs_from_results
 from axoplan.loop.validate import RESULT_COLUMNS, distinct_configs

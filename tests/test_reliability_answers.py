@@ -195,7 +195,7 @@ PATHS = list(_key_paths(FULL))
                                              (("compute", "attention"), "backward_factor", "backwrd_factor"),
                                              (("network", "intra_node", "groups", 0), "stride", "strde")])
 def test_the_issue_misspellings_are_refused(write_profile, path, key, typo):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     d = profile_dict()
     _rename(d, path, key, typo)
@@ -209,7 +209,7 @@ def test_the_issue_misspellings_are_refused(write_profile, path, key, typo):
 def test_a_misspelled_key_at_any_level_is_refused(write_profile, i, extra):
     import copy
 
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     path, key = PATHS[i]
     d = copy.deepcopy(FULL)
@@ -222,7 +222,8 @@ def test_a_misspelled_key_at_any_level_is_refused(write_profile, i, extra):
 def test_the_declared_corrections_are_the_fitted_ones():
     import dataclasses
 
-    from axoplan.planner.machine import CORRECTIONS_KEYS, Corrections
+    from axoplan.planner.machine import Corrections
+    from axoplan.planner.profile_reader import CORRECTIONS_KEYS
 
     assert set(CORRECTIONS_KEYS) - {"source"} == {f.name for f in dataclasses.fields(Corrections)}
 
@@ -230,7 +231,7 @@ def test_the_declared_corrections_are_the_fitted_ones():
 @pytest.mark.parametrize("name", ["alps", "dgx-a100", "dgx-h100", "dgx-h200", "frontier", "localhost-cpu",
                                   "perlmutter"])
 def test_every_bundled_profile_keeps_to_the_schema(name):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     load_profile(name)
 
@@ -275,7 +276,7 @@ def test_rank_shows_only_finite_numbers_or_refuses_the_profile(write_profile, ca
 
 
 def test_an_attention_throughput_above_the_peak_is_refused(write_profile):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     d = profile_dict()
     d["compute"]["attention"]["throughput"] = [{"seq": 64, "head_dim": 8, "fwd_tflops": 400, "bwd_tflops": 100,

@@ -89,7 +89,7 @@ def _profile_with_env(write_profile, env):
 
 @pytest.mark.parametrize("name", CODE_CHOOSING)
 def test_a_profile_may_not_set_what_chooses_the_code_that_runs(write_profile, name):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     with pytest.raises(UserError, match=f"launch.env.{name}"):
         load_profile(str(_profile_with_env(write_profile, {name: "/tmp/x"})))
@@ -98,7 +98,7 @@ def test_a_profile_may_not_set_what_chooses_the_code_that_runs(write_profile, na
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.from_regex(r"[A-Z_][A-Z0-9_]{0,20}", fullmatch=True))
 def test_any_name_a_profile_sets_is_a_network_or_threading_setting(write_profile, name):
-    from axoplan.planner.machine import LAUNCH_ENV_NAMES, LAUNCH_ENV_PREFIXES, load_profile
+    from axoplan.planner.profile_reader import LAUNCH_ENV_NAMES, LAUNCH_ENV_PREFIXES, load_profile
 
     try:
         load_profile(str(_profile_with_env(write_profile, {name: "1"})))
@@ -149,7 +149,7 @@ def _escaped(c: str) -> str:
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(c=CONTROL, field=st.sampled_from(["device", "description", "name"]))
 def test_a_control_character_in_any_profile_text_is_refused(write_profile, c, field):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     text = yaml.safe_dump(profile_dict(), sort_keys=False).replace(
         f"{field}: ", f'{field}: "x{_escaped(c)}[31m"\nold_{field}: ', 1)

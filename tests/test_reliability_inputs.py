@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from axoplan import inputs
 from axoplan.errors import UserError
 from axoplan.runconfig import config_from_dict
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.runtime.dist_env import read_env
 from axoplan.planner.specs import load_model
 

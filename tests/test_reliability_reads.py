@@ -74,7 +74,7 @@ def _readers(tmp_path):
 
     from axoplan.calibrate.results_io import ResultsDir
     from axoplan.loop.validate_files import read_plan, read_results
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.specs import load_model
     from axoplan.runconfig import load_config
     from axoplan.runtime.data import open_source

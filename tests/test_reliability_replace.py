@@ -218,7 +218,7 @@ def test_calibrate_names_the_results_folder_not_a_deleted_temporary_file(tmp_pat
     from calib_synthetic import write
 
     from axoplan.errors import UserError
-    from axoplan.planner import machine
+    from axoplan.planner import profile_reader as machine
 
     rd = write(tmp_path / "r")
     seen = []

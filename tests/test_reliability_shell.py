@@ -20,7 +20,7 @@ from axoplan.loop.launch import (
     slurm_script,
     torchrun_script,
 )
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.runconfig import LaunchConfig
 from axoplan.shell import comment, quote
 from axoplan.calibrate.slurm import sbatch_script

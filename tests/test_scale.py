@@ -9,7 +9,7 @@ import pytest
 
 from axoplan.cli.main import main
 from axoplan.errors import UserError
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.studies.scale import (COLUMNS, format_duration, parse_gpus, parse_pairs, parse_tokens, strong_scaling,
                            weak_scaling)
 from axoplan.planner.specs import load_model

@@ -7,7 +7,7 @@ from conftest import tiny_model
 from axoplan.planner import comm, schedule
 from axoplan.planner.batch import evaluate
 from axoplan.planner.compute import elementwise_work
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.space import Candidates
 from axoplan.planner.specs import Job
 

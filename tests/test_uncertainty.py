@@ -11,7 +11,7 @@ import pytest
 
 from axoplan.cli.main import main
 from axoplan.planner import uncertainty as U
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import ranking
 
 

@@ -384,7 +384,7 @@ def _protocols_part(rows: list[dict], meta: dict, tag: str, busbw0: float):
     CUDA, before Ampere, an unknown host CPU)."""
     from axoplan.calibrate.fit import fit_protocols
     from axoplan.planner import gpu_physics
-    from axoplan.planner.machine import _Reader
+    from axoplan.planner.profile_reader import _Reader
 
     if not meta.get("cuda"):
         return None, None
@@ -494,7 +494,7 @@ TRAINER_PARAMS = ("collective_overhead_s", "latency_scale", "intra_bw_scale", "i
 
 
 def _load(profile: dict, files: dict[str, str]):
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     with tempfile.TemporaryDirectory() as d:
         for fname, text in files.items():

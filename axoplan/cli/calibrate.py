@@ -242,7 +242,7 @@ def _validate_written(built, results: Path, out: Path) -> None:
     """Load the profile with the planner's own loader before it replaces anything (from a temporary
     copy, which no message names: it is gone when the user reads it)."""
     try:
-        from axoplan.planner.machine import load_profile
+        from axoplan.planner.profile_reader import load_profile
     except ImportError:  # the planner's loader is not there yet: nothing to check against
         return
     with tempfile.TemporaryDirectory() as d:

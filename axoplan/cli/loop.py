@@ -131,7 +131,7 @@ def emit(model, machine, gpus, global_batch, seq_len, rank_k, grid, order, micro
     DIR/README.txt."""
     from axoplan.loop.frameworks import framework_execution
     from axoplan.loop.launch import _pipe, config_from_row, write_run_dir
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
     if grid is not None and rank_k is not None:
@@ -260,7 +260,7 @@ def validate(model, machine, gpus, global_batch, seq_len, top_k, run_all, steps,
         return
     _require(model=model, machine=machine, gpus=gpus, global_batch=global_batch)
     from axoplan.device import mismatch, warn
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     warn(mismatch(load_profile(machine)))  # the runs measure this machine, the ranking is the profile's
     pp = parse_pp(pp)

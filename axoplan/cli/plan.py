@@ -19,7 +19,7 @@ from axoplan.errors import UserError
 from axoplan.planner.execution import PRESETS as EXECUTIONS
 from axoplan.planner.pipeline import SCHEDULES
 from axoplan.planner.space import PLACEMENTS
-from axoplan.planner.machine import load_profile, profile_paths
+from axoplan.planner.profile_reader import load_profile, profile_paths
 from axoplan.planner.rank import COLUMNS
 from axoplan.planner.rank import explain as explain_api
 from axoplan.planner.rank import ranking as rank_api

@@ -122,7 +122,7 @@ def train(config_path, print_config, gpus, **given):
         raise
     if cfg.machine and de.rank == 0:  # % of peak and the plan it follows are the profile's
         from axoplan.device import mismatch, warn
-        from axoplan.planner.machine import load_profile
+        from axoplan.planner.profile_reader import load_profile
 
         warn(mismatch(load_profile(cfg.machine)))
     from axoplan.runtime.train import run

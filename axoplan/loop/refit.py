@@ -25,7 +25,8 @@ from axoplan.errors import UserError
 from axoplan.loop.launch import pipeline_of
 from axoplan.planner.pipeline import SCHEDULES
 from axoplan.planner.space import PLACEMENTS
-from axoplan.planner.machine import Corrections, MachineProfile, load_profile
+from axoplan.planner.machine import Corrections, MachineProfile
+from axoplan.planner.profile_reader import load_profile
 
 SCALE_PARAMS = ("gemm_scale", "elementwise_scale", "intra_bw_scale", "inter_bw_scale", "latency_scale",
                 "kernel_overhead_scale")

@@ -47,7 +47,7 @@ from axoplan.loop.launch import (
     python_default,
     write_run_dir,
 )
-from axoplan.planner.machine import load_profile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.rank import COLUMNS
 from axoplan.loop.validate_files import (
     FINAL_STATUSES,
@@ -393,7 +393,7 @@ def _changed_prediction(old: pd.DataFrame, new: pd.DataFrame) -> str | None:
 
 def _write_sweep(sw: Sweep, out: Path, plan: pd.DataFrame) -> None:
     """Write sweep.json, plan.csv and the run directories (each file atomically)."""
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     profile = load_profile(sw.machine)
     machine_ref = str(Path(profile.path).resolve()) if profile.path else sw.machine
@@ -548,7 +548,7 @@ def write_slurm_array(sw: Sweep, out: str | Path) -> Path:
 
 def _write_array(sw: Sweep, out: Path, plan: pd.DataFrame) -> Path:
     from axoplan import shell, slurm
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     profile = load_profile(sw.machine)
     nodes, per = check_layout(sw.gpus, profile)

@@ -124,7 +124,7 @@ class GpuPhysics:
 
 
 def parse(d: dict, rd) -> GpuPhysics:
-    """The optional fields of a profile dict (rd: machine._Reader, for sourced numbers and errors)."""
+    """The optional fields of a profile dict (rd: profile_reader._Reader, for sourced numbers and errors)."""
     comp = d.get("compute") or {}
     attn = (comp.get("attention") or {}) if isinstance(comp, dict) else {}
     net = d.get("network") or {}

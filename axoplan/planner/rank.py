@@ -17,7 +17,8 @@ from axoplan.planner.execution import AXOPLAN, Execution, load_execution
 from axoplan.planner.memory import KIND_NAMES
 from axoplan.planner.memory import KINDS as MEMORY_KINDS
 from axoplan.errors import UserError
-from axoplan.planner.machine import GIB, MachineProfile, load_profile
+from axoplan.planner.machine import GIB, MachineProfile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.pipeline import SCHEDULES, stage_blocks
 from axoplan.planner.schedule import Window
 from axoplan.planner.space import (PLACEMENTS, Candidates, enumerate_space, layout, micro_batches, pipeline_choices,

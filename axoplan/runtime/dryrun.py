@@ -119,7 +119,7 @@ def compare(model: str, machine: str, gpus: int, global_batch: int, grid: tuple[
     ov = Overlap(all_reduce=overlap, reduce_scatter=overlap, all_gather=overlap, data_parallel=overlap)
     cfg = LaunchConfig(model=model, grid=Grid(*map(int, grid)), order=order, global_batch=traced_batch,
                        micro_batch=mb, seq_len=seq_len, checkpointing=ck, overlap=ov, metrics=None)
-    from axoplan.planner.machine import load_profile
+    from axoplan.planner.profile_reader import load_profile
 
     prof = load_profile(machine)
     dtype = "bf16" if prof.dtype_bytes == 2 else "fp32"
@@ -158,7 +158,8 @@ def compare_pipeline(model: str, machine: str, gpus: int, global_batch: int, gri
     memory, its collectives (its virtual stages' windows and its once-per-step ones,
     stage_timing.rank_collective_rows) and its transfers (pipeline.rank_transfers), and the order it ran."""
     from axoplan.errors import UserError
-    from axoplan.planner.machine import GIB, load_profile
+    from axoplan.planner.machine import GIB
+    from axoplan.planner.profile_reader import load_profile
     from axoplan.planner.memory import KIND_NAMES
     from axoplan.planner.memory import KINDS as MODEL_KINDS
     from axoplan.planner.pipeline import SCHEDULES, peak_micro_batches, rank_orders, rank_transfers

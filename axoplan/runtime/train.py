@@ -110,7 +110,7 @@ def peak_tflops(cfg: LaunchConfig) -> float | None:
     if not cfg.machine:
         return None
     try:
-        from axoplan.planner.machine import load_profile
+        from axoplan.planner.profile_reader import load_profile
     except ImportError:
         return None
     return float(load_profile(cfg.machine).peak_tflops)

@@ -20,7 +20,8 @@ import pandas as pd
 
 from axoplan import inputs
 from axoplan.errors import UserError
-from axoplan.planner.machine import MachineProfile, load_profile
+from axoplan.planner.machine import MachineProfile
+from axoplan.planner.profile_reader import load_profile
 from axoplan.planner.specs import ModelSpec, load_model
 
 COLUMNS = ["model", "gpus", "gx", "gy", "gz", "gdata", "order", "micro_batch", "checkpointing", "batch_time_s",
