@@ -219,6 +219,12 @@ def megatron_configs(words: list[str], world: int):
     if "num_layers_per_virtual_pipeline_stage" in ns:
         kw["virtual_pipeline_model_parallel_size"] = (int(ns["num_layers"]) // int(ns["pipeline_model_parallel_size"])
                                                       // int(ns["num_layers_per_virtual_pipeline_stage"]))
+    if "pipeline_model_parallel_layout" in ns:  # Megatron-LM's vpp: the layout's stages over pp
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        v = (PipelineParallelLayerLayout.get_num_stages_from_str(ns["pipeline_model_parallel_layout"])
+             // int(ns["pipeline_model_parallel_size"]))
+        kw["virtual_pipeline_model_parallel_size"] = v if v > 1 else None
     if "attention_backend" in ns:
         kw["attention_backend"] = AttnBackend[ns["attention_backend"]]
     tc = TransformerConfig(**kw)
@@ -253,6 +259,41 @@ def test_megatron_pipeline_sizes(tmp_path):
     assert (mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, mp.virtual_pipeline_model_parallel_size,
             dp) == (4, 2, 4, 2)
     assert tc.recompute_granularity == "selective" or tc.recompute_granularity == "full"
+
+
+@pytest.mark.parametrize("model,pp,vpp", [("llama3-405b", 16, 1), ("llama3-8b", 3, 1), ("llama3-8b", 3, 2)])
+def test_megatron_places_the_planned_uneven_split(tmp_path, model, pp, vpp):
+    """Layers that do not divide by pp x vpp (Llama 3 405B's 126 on 16 stages): megatron-core's own layout parser
+    gives every (pipeline rank, virtual stage) the blocks the planner's split gives it (pipeline.stage_blocks,
+    virtual stage v on rank v mod pp), the embedding on the first and the loss on the last."""
+    from axoplan.planner.pipeline import stage_blocks
+
+    plan = Plan(1, 2, 1, 1, "yzx", 1, True, pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b")
+    m, _ = _direct("megatron", plan, tmp_path / "pp", model=model, global_batch=2 * pp)
+    w = megatron_words(tmp_path / "pp")
+    assert "--pipeline-model-parallel-layout" in w and "--num-layers-per-virtual-pipeline-stage" not in w
+    tc, mp, ddp, dp, ns = megatron_configs(w, plan.gpus)
+    from megatron.core.transformer.enums import LayerType
+
+    lay = tc.pipeline_model_parallel_layout
+    got = [[row.count(LayerType.decoder) for row in lay.layout[r]] for r in range(pp)]
+    want = stage_blocks(m.n_layers, pp, vpp)
+    assert got == [[int(want[v * pp + r]) for v in range(vpp)] for r in range(pp)]
+    assert lay.flatten_layout[0] == LayerType.embedding and lay.flatten_layout[-1] == LayerType.loss
+    assert (mp.virtual_pipeline_model_parallel_size or 1) == vpp
+
+
+def test_megatron_core_plans_llama3_405b_on_16_stages():
+    """126 layers on 16 stages, as Llama 3 405B trained: the megatron-core execution plans it (its layout places
+    the split); megatron-lm, Megatron as Korthikanti et al. ran it, still needs them divisible."""
+    import axoplan
+
+    s = axoplan.explain("llama3-405b", "dgx-h100", 16384, 2048, (1, 8, 1, 128), pp=16, seq_len=8192, micro_batch=1,
+                        checkpointing=True, execution="megatron-core").summary.iloc[0]
+    assert bool(s["feasible"]), s["reason"]
+    e = axoplan.explain("llama3-405b", "dgx-h100", 16384, 2048, (1, 8, 1, 128), pp=16, seq_len=8192, micro_batch=1,
+                        checkpointing=True, execution="megatron-lm").summary.iloc[0]
+    assert not bool(e["feasible"]) and "divisible" in e["reason"]
 
 
 def test_megatron_arguments_without_the_package(tmp_path):

@@ -112,6 +112,21 @@ def test_in_flight_forwards_at_the_peak():
     assert [sum(r) for r in P.peak_in_flight("interleaved-1f1b", 2, 2, 4)] == [5, 3]
 
 
+def test_an_execution_that_splits_unevenly_also_interleaves_at_2_4_and_8():
+    """126 blocks (Llama 3 405B) on 16 GPUs: no vpp splits them evenly over 4, 8 or 16 stages, so an even-split
+    execution interleaves only pp 2 (vpp 3 and 7); one that splits unevenly adds vpp 2, 4 and 8 wherever
+    pp x vpp <= 126, never 3, 5, 6 or 7 beyond the even ones, and rank plans them only for such an execution."""
+    even = pipeline_choices(16, 126, "all")
+    uneven = pipeline_choices(16, 126, "all", uneven=True)
+    assert {(p, v) for p, v, s in even if s} == {(2, 3), (2, 7)}
+    assert {(p, v) for p, v, s in uneven if s} == {(2, 3), (2, 7)} | {(p, v) for p in (2, 4, 8, 16) for v in (2, 4, 8) if p * v <= 126}
+    assert set(even) <= set(uneven)
+    kw = dict(seq_len=8192, pp=16, schedule="interleaved-1f1b", include_infeasible=True)
+    assert set(axoplan.rank("llama3-405b", "dgx-h100", 16384, 2048, execution="megatron-core", **kw).vpp) == {2, 4}
+    with pytest.raises(UserError, match="no pipeline configuration matches --pp 16 --schedule interleaved-1f1b"):
+        axoplan.rank("llama3-405b", "dgx-h100", 16384, 2048, execution="megatron-lm", **kw)
+
+
 def test_space_adds_pipelines_and_keeps_the_4d_space_for_pp_1():
     choices = pipeline_choices(16, 8, "all")
     assert {p for p, _, _ in choices} == {1, 2, 4, 8}

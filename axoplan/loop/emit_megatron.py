@@ -16,6 +16,20 @@ from axoplan.shell import quote
 NAME = "Megatron-LM"
 VERSION = "Megatron-LM core_r0.16.0 (megatron-core 0.16.1)"
 ARGS_NAME = "megatron_args.sh"
+# its --pipeline-model-parallel-layout (megatron-core 0.13 on) places any split of the layers over the stages
+UNEVEN_STAGES = True
+
+
+def layout(plan, n_layers: int) -> str | None:
+    """Megatron-Core's --pipeline-model-parallel-layout for the planner's split (pipeline.stage_blocks) where the
+    layers do not divide by pp x vpp: the (virtual) stages in layer order, 'E' the embedding on the first, 't*N' its
+    N decoder layers, 'L' the LM head and loss on the last (megatron/core/transformer/pipeline_parallel_layer_layout.py,
+    whose virtual stage v runs on pipeline rank v mod pp, as the planner's); None where the layers divide evenly."""
+    from axoplan.planner.pipeline import stage_blocks
+
+    if plan.pp < 2 or n_layers % (plan.pp * plan.vpp) == 0:
+        return None
+    return "E" + "|".join(f"t*{n}" for n in stage_blocks(n_layers, plan.pp, plan.vpp)) + "L"
 
 
 def arguments(plan, model, job, profile, execution, steps: int = 10) -> list[tuple[str, list[str], str]]:
@@ -29,7 +43,13 @@ def arguments(plan, model, job, profile, execution, steps: int = 10) -> list[tup
     add("--pipeline-model-parallel-size", plan.pp, why="pp")
     if plan.pp > 1 and "p" in plan.order and plan.gdata > 1:
         add("--use-tp-pp-dp-mapping", why=f"order {plan.order}: the pipeline inside data (ranks tp-cp-ep-pp-dp)")
-    if plan.vpp > 1:
+    uneven = layout(plan, model.n_layers)
+    if uneven:
+        add("--pipeline-model-parallel-layout", uneven,
+            why=f"{model.n_layers} layers over pp x vpp = {plan.pp} x {plan.vpp} stages, the first "
+                f"{model.n_layers % (plan.pp * plan.vpp)} taking one more"
+                + (": the interleaved 1F1B schedule" if plan.vpp > 1 else ""))
+    elif plan.vpp > 1:
         add("--num-layers-per-virtual-pipeline-stage", plan.layers_per_stage(model.n_layers),
             why=f"vpp={plan.vpp}: the interleaved 1F1B schedule")
     if execution.sequence_parallel and plan.gy > 1:  # Megatron refuses sequence parallelism without TP
@@ -110,10 +130,14 @@ def args_script(args) -> str:
 
 
 def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
+    from axoplan.planner.pipeline import stage_blocks
+
     args = arguments(plan, model, job, profile, execution, steps)
     mapping = [f"gy={plan.gy} -> --tensor-model-parallel-size",
                f"pp={plan.pp} -> --pipeline-model-parallel-size"
-               + (f", vpp={plan.vpp} -> --num-layers-per-virtual-pipeline-stage {plan.layers_per_stage(model.n_layers)}"
+               + (f", the layers' split (stages {', '.join(map(str, stage_blocks(model.n_layers, plan.pp, plan.vpp)))}) "
+                  f"-> --pipeline-model-parallel-layout" if layout(plan, model.n_layers) else
+                  f", vpp={plan.vpp} -> --num-layers-per-virtual-pipeline-stage {plan.layers_per_stage(model.n_layers)}"
                   if plan.vpp > 1 else ""),
                f"gdata={plan.gdata} -> the data-parallel size, which Megatron derives: GPUs / (tp x pp)",
                f"micro-batch {plan.micro_batch}, global batch {job.global_batch} -> --micro-batch-size, --global-batch-size",

@@ -115,8 +115,10 @@ def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
         cannot(framework, f"vpp={plan.vpp} virtual stages need the interleaved-1f1b schedule, not {plan.schedule}")
     if plan.schedule == "interleaved-1f1b" and plan.pp > 1 and plan.vpp < 2:
         cannot(framework, "the interleaved-1f1b schedule needs vpp >= 2 virtual stages per pipeline stage")
-    if model.n_layers % (plan.pp * plan.vpp):
+    if model.n_layers % (plan.pp * plan.vpp) and execution.pipeline_even_split:
         cannot(framework, f"{model.n_layers} layers do not split into pp x vpp = {plan.pp * plan.vpp} equal stages")
+    if plan.pp * plan.vpp > model.n_layers:
+        cannot(framework, f"pp x vpp = {plan.pp * plan.vpp} stages are more than the model's {model.n_layers} layers")
     if job.global_batch % (plan.gdata * plan.gz * plan.micro_batch):
         cannot(framework, f"global batch {job.global_batch} is not a multiple of gdata x gz x micro-batch")
 
@@ -237,8 +239,10 @@ def framework_execution(framework: str, execution=None):
             raise UserError(f"the bundled trainer (--framework axoplan) runs only the 'axoplan' execution, not "
                             f"'{ex.name}'; choose the framework that runs it with --framework")
         return ex
-    # the writers cut the model into equal (virtual) stages (torchtitan's layers_per_stage, Megatron's even split)
-    return dataclasses.replace(ex, **{k: getattr(own, k) for k in CAPABILITY}, pipeline_even_split=True)
+    # a writer that cannot place an uneven split cuts the model into equal (virtual) stages (torchtitan's
+    # layers_per_stage); Megatron's places the planner's split (emit_megatron: --pipeline-model-parallel-layout)
+    even = not getattr(writer(framework), "UNEVEN_STAGES", False)
+    return dataclasses.replace(ex, **{k: getattr(own, k) for k in CAPABILITY}, pipeline_even_split=even)
 
 
 def writer(framework: str):

@@ -117,8 +117,9 @@ class Execution:
     # the pipeline schedules the framework runs (pipeline.py): none; 1f1b; interleaved (1f1b and
     # interleaved-1f1b); the bundled trainer runs both (runtime/pipeline_stage.py, torch.distributed.pipelining)
     pipeline: str = "none"
-    # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule without its
-    # uneven-split options); false: the first stages take one block more (pipeline.stage_blocks)
+    # the blocks must split evenly over the pp * vpp virtual stages (Megatron-LM's rule before its uneven-split
+    # options); false: the first stages take one block more (pipeline.stage_blocks), which Megatron-Core places
+    # with --pipeline-model-parallel-layout (emit_megatron)
     pipeline_even_split: bool = False
     # the stage-boundary transfer split over the Y ranks (each sends its 1/gy part; DeepSpeed's pipe_partitioned
     # PartitionedTensor, Megatron's scatter-gather without SP), the receiver gathering it over Y on its compute
@@ -299,12 +300,14 @@ PRESETS = {
     "megatron-core": Execution(
         "megatron-core", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         optimizer_sharding="data-parallel", overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
-        pipeline="interleaved", pipeline_even_split=True, pipeline_buffers="per-transfer", pipeline_dp_overlap=True,
+        pipeline="interleaved", pipeline_buffers="per-transfer", pipeline_dp_overlap=True,
         grid_axes="yd", placement="yzx", pipeline_inside_data=True,
         source="Megatron-Core as its README's scaling runs state (--overlap-grad-reduce, --overlap-param-gather, "
                "--tp-comm-overlap): --overlap-param-gather requires --use-distributed-optimizer and "
                "--tp-comm-overlap requires --sequence-parallel (megatron/training/arguments.py); "
-               + _MEGATRON_FUSION),
+               + _MEGATRON_FUSION + "; since megatron-core 0.13 any split of the layers over the (virtual) stages, "
+               "--pipeline-model-parallel-layout (megatron/core/transformer/pipeline_parallel_layer_layout.py, e.g. "
+               "Llama 3 405B's 126 layers on 16 stages), so the layers need not divide by pp x vpp"),
     "megatron-lm": Execution(
         "megatron-lm", elementwise_kernels="fused", gradient_accumulation="fused", sequence_parallel=True, weights="low-precision-copy",
         overlap_grad_reduce=False, recompute="attention-core", attention="unfused", dropout=True,

@@ -225,7 +225,7 @@ def _pipelines(ex: Execution, job: Job, model: ModelSpec, pp, vpp, schedule) -> 
     """The (pp, vpp, schedule) the execution can run: "all" gives only pp 1 where it runs no pipeline."""
     if pp == "all" and not ex.pipeline_schedules:
         return [(1, 1, 0)]
-    choices = pipeline_choices(job.gpus, model.n_layers, pp, vpp, schedule)
+    choices = pipeline_choices(job.gpus, model.n_layers, pp, vpp, schedule, uneven=not ex.pipeline_even_split)
     runs = [ch for ch in choices if ch[0] == 1 or SCHEDULES[ch[2]] in ex.pipeline_schedules]
     if not runs:
         raise UserError(f"execution '{ex.name}' runs no pipeline"

@@ -149,11 +149,17 @@ def micro_batch_choices(global_batch: int, max_micro_batch: int = 64) -> np.ndar
     return d[d <= max_micro_batch]
 
 
+# where an execution splits the blocks unevenly (Execution.pipeline_even_split false), the vpp the space also tries
+# that do not split them evenly: the powers of two, which bound the space (GPT-1T's 128 blocks split evenly at
+# each of them, and Llama 3 405B's 126 at none beyond 2 stages, whose interleaving would be lost otherwise)
+UNEVEN_VPP = (2, 4, 8)
+
+
 def pipeline_choices(gpus: int, n_layers: int | None, pp="1", vpp=None, schedule: str = "all",
-                     max_vpp: int = 8) -> list[tuple[int, int, int]]:
+                     max_vpp: int = 8, uneven: bool = False) -> list[tuple[int, int, int]]:
     """(pp, vpp, schedule index) of the space: pp "all" every divisor of the GPUs up to the blocks (or one
     given), each with 1f1b and, for pp > 1, interleaved-1f1b with every vpp up to max_vpp that splits the
-    blocks evenly over pp * vpp virtual stages (or the vpp given)."""
+    blocks evenly over pp * vpp virtual stages, and with `uneven` every UNEVEN_VPP as well (or the vpp given)."""
     from axoplan.planner.pipeline import SCHEDULES
 
     if schedule != "all" and schedule not in SCHEDULES:
@@ -187,7 +193,7 @@ def pipeline_choices(gpus: int, n_layers: int | None, pp="1", vpp=None, schedule
                 out.append((p, int(vpp), 1))
             continue
         for v in range(2, max_vpp + 1):
-            if n_layers is not None and (p * v > n_layers or n_layers % (p * v)):
+            if n_layers is not None and (p * v > n_layers or (n_layers % (p * v) and not (uneven and v in UNEVEN_VPP))):
                 continue
             out.append((p, v, 1))
     if not out:
