@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import json
 import os
 import shutil
 import signal
@@ -123,6 +124,56 @@ def test_torchtitan_pipeline_degree_schedule_and_stages(tmp_path):
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, get_schedule_class
 
     assert get_schedule_class(p.pipeline_parallel_schedule) is ScheduleInterleaved1F1B  # torch's own name
+
+
+@pytest.mark.parametrize("pp,vpp", [(3, 1), (3, 2), (5, 2)])
+def test_torchtitan_places_the_planned_uneven_split(tmp_path, pp, vpp):
+    """Llama 3 8B's 32 layers over 3, 6 or 10 (virtual) stages: torchtitan's own ConfigManager reads the stages'
+    modules, every layer once and in order, the embedding first and the norm and LM head last, virtual stage v
+    holding the planner's blocks (pipeline.stage_blocks; torchtitan runs it on rank v mod pp, its 'loop' style)."""
+    need("torchtitan.config")
+    from axoplan.planner.pipeline import stage_blocks
+
+    plan = Plan(1, 2, 1, 1, "yzx", 1, True, pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b")
+    _direct("torchtitan", plan, tmp_path / "pp", global_batch=2 * pp)
+    cfg, dims = titan_config(tmp_path / "pp")
+    parts = cfg.parallelism.module_fqns_per_model_part
+    assert dims.pp == pp and cfg.parallelism.pipeline_parallel_layers_per_stage is None
+    flat = [m for part in parts for m in part]
+    assert flat == ["tok_embeddings"] + [f"layers.{i}" for i in range(32)] + ["norm", "output"]
+    assert [sum(m.startswith("layers.") for m in part) for part in parts] == list(stage_blocks(32, pp, vpp))
+    # torchtitan's own pipeline_module_split, as each pipeline rank runs it (a fake process group of pp ranks, the
+    # model on the meta device): the stages and layers it builds there are the planner's for that rank
+    code = (
+        "import json, sys, torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from torchtitan.distributed.pipeline_parallel import pipeline_module_split\n"
+        "from torchtitan.models.llama3 import TransformerModelArgs\n"
+        "from torchtitan.models.llama3.model.model import Transformer\n"
+        "parts, pp, schedule = json.loads(sys.argv[1])\n"
+        "with torch.device('meta'):\n"
+        "    m = Transformer(TransformerModelArgs(dim=64, n_layers=32, n_heads=4, vocab_size=128, max_seq_len=32))\n"
+        "out = []\n"
+        "for rank in range(pp):\n"
+        "    dist.init_process_group('fake', rank=rank, world_size=pp, store=FakeStore())\n"
+        "    class Mesh:\n"
+        "        def get_local_rank(self): return rank\n"
+        "        def size(self): return pp\n"
+        "        def get_group(self, name=None): return dist.group.WORLD\n"
+        "    stages, models = pipeline_module_split(m, Mesh(), schedule, torch.device('cpu'), parts)\n"
+        "    out.append([[s.stage_index, [int(k) for k in c.layers.keys()], c.tok_embeddings is not None,\n"
+        "                 c.output is not None] for s, c in zip(stages, models)])\n"
+        "    dist.destroy_process_group()\n"
+        "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps([parts, pp, cfg.parallelism.pipeline_parallel_schedule])],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = [int(n) for n in stage_blocks(32, pp, vpp)]
+    starts = [sum(counts[:v]) for v in range(len(counts))]
+    for pp_rank, got in enumerate(json.loads(r.stdout.strip().splitlines()[-1])):
+        assert [g[0] for g in got] == list(range(pp_rank, pp * vpp, pp))
+        for v, layers, emb, out in got:
+            assert layers == list(range(starts[v], starts[v] + counts[v])) and emb == (v == 0) and out == (v == pp * vpp - 1)
 
 
 def test_torchtitan_custom_shape_is_the_planned_one(tmp_path, model_yaml):

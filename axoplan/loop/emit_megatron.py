@@ -10,7 +10,7 @@ the pipeline just inside data (an order with p last, e.g. yzxp) pp before dp: --
 """
 from __future__ import annotations
 
-from axoplan.loop.frameworks import Emitted, cannot
+from axoplan.loop.frameworks import Emitted, cannot, split_text
 from axoplan.shell import quote
 
 NAME = "Megatron-LM"
@@ -135,7 +135,7 @@ def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
     args = arguments(plan, model, job, profile, execution, steps)
     mapping = [f"gy={plan.gy} -> --tensor-model-parallel-size",
                f"pp={plan.pp} -> --pipeline-model-parallel-size"
-               + (f", the layers' split (stages {', '.join(map(str, stage_blocks(model.n_layers, plan.pp, plan.vpp)))}) "
+               + (f", {split_text(stage_blocks(model.n_layers, plan.pp, plan.vpp))} "
                   f"-> --pipeline-model-parallel-layout" if layout(plan, model.n_layers) else
                   f", vpp={plan.vpp} -> --num-layers-per-virtual-pipeline-stage {plan.layers_per_stage(model.n_layers)}"
                   if plan.vpp > 1 else ""),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from axoplan.loop.frameworks import Emitted, cannot
+from axoplan.loop.frameworks import Emitted, cannot, split_text
 
 NAME = "torchtitan"
 VERSION = "torchtitan 0.2.2"
@@ -22,6 +22,27 @@ FLAVOR_MODULE = "axoplan_flavor"
 # checks each against torchtitan's shapes
 FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
 SCHEDULE_NAMES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}  # torch.distributed.pipelining names
+# parallelism.module_fqns_per_model_part places any split of the layers over the (virtual) stages
+UNEVEN_STAGES = True
+
+
+def stage_modules(plan, n_layers: int) -> list[list[str]] | None:
+    """torchtitan's parallelism.module_fqns_per_model_part for the planner's split (pipeline.stage_blocks) where
+    the layers do not divide by pp x vpp: each (virtual) stage's modules in layer order, the embedding on the
+    first, the final norm and the LM head on the last; torchtitan runs stage v on pipeline rank v mod pp
+    (torchtitan/distributed/pipeline_parallel.py pipeline_module_split, 'loop' style), as the planner does.
+    None where the layers divide evenly."""
+    from axoplan.planner.pipeline import stage_blocks
+
+    if plan.pp < 2 or n_layers % (plan.pp * plan.vpp) == 0:
+        return None
+    out, start = [], 0
+    counts = stage_blocks(n_layers, plan.pp, plan.vpp)
+    for v, n in enumerate(int(x) for x in counts):
+        names = [f"layers.{i}" for i in range(start, start + n)]
+        start += n
+        out.append((["tok_embeddings"] if v == 0 else []) + names + (["norm", "output"] if v == len(counts) - 1 else []))
+    return out
 
 
 def ffn_args(hidden: int, ffn: int) -> tuple[int, float | None]:
@@ -37,7 +58,7 @@ def _toml(sections: list[tuple[str, list[tuple[str, object, str]]]]) -> str:
         out.append(f"[{name}]")
         for key, value, why in rows:
             v = ("true" if value else "false") if isinstance(value, bool) else \
-                json.dumps(value) if isinstance(value, str) else repr(value)
+                json.dumps(value) if isinstance(value, (str, list)) else repr(value)
             out.append(f"{key} = {v}" + (f"  # {why}" if why else ""))
         out.append("")
     return "\n".join(out)
@@ -97,13 +118,19 @@ def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
            ("fsdp_reshard_after_forward", "always" if execution.reshard_after_forward else "never",
             "the plan's Z weights freed after their forward" if execution.reshard_after_forward else
             "the plan keeps Z-gathered weights to the backward")]
+    uneven = stage_modules(plan, model.n_layers)
     if plan.pp > 1:
-        par += [("pipeline_parallel_schedule", SCHEDULE_NAMES[plan.schedule], plan.schedule),
-                ("pipeline_parallel_layers_per_stage", plan.layers_per_stage(model.n_layers),
-                 f"{model.n_layers} layers / (pp x vpp = {plan.pp} x {plan.vpp})"),
-                ("pipeline_parallel_first_stage_less_layers", 0, "equal stages, as planned"),
-                ("pipeline_parallel_last_stage_less_layers", 0, ""),
-                ("pipeline_parallel_microbatch_size", plan.micro_batch, "the plan's micro-batch")]
+        par += [("pipeline_parallel_schedule", SCHEDULE_NAMES[plan.schedule], plan.schedule)]
+        if uneven:
+            par += [("module_fqns_per_model_part", uneven,
+                     f"{model.n_layers} layers over pp x vpp = {plan.pp} x {plan.vpp} stages, the first "
+                     f"{model.n_layers % (plan.pp * plan.vpp)} taking one more, as planned")]
+        else:
+            par += [("pipeline_parallel_layers_per_stage", plan.layers_per_stage(model.n_layers),
+                     f"{model.n_layers} layers / (pp x vpp = {plan.pp} x {plan.vpp})"),
+                    ("pipeline_parallel_first_stage_less_layers", 0, "equal stages, as planned"),
+                    ("pipeline_parallel_last_stage_less_layers", 0, "")]
+        par += [("pipeline_parallel_microbatch_size", plan.micro_batch, "the plan's micro-batch")]
     sections = [
         ("job", job_rows),
         ("model", [("name", "llama3", ""), ("flavor", flavor, model.name),
@@ -130,8 +157,10 @@ def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
                f"gz={plan.gz} -> parallelism.data_parallel_shard_degree (FSDP)",
                f"gy={plan.gy} -> parallelism.tensor_parallel_degree (with sequence parallel norms)",
                f"pp={plan.pp} -> parallelism.pipeline_parallel_degree"
-               + (f", schedule {SCHEDULE_NAMES[plan.schedule]}, {plan.layers_per_stage(model.n_layers)} layers per stage"
-                  if plan.pp > 1 else ""),
+               + (f", schedule {SCHEDULE_NAMES[plan.schedule]}, "
+                  + (f"{split_text(len([x for x in st if x.startswith('layers.')]) for st in uneven)} "
+                     "-> parallelism.module_fqns_per_model_part" if uneven else
+                     f"{plan.layers_per_stage(model.n_layers)} layers per stage") if plan.pp > 1 else ""),
                f"micro-batch {plan.micro_batch}, global batch {job.global_batch}, seq_len {job.seq_len} -> [training]",
                f"checkpointing {'on' if plan.checkpointing else 'off'} -> activation_checkpoint.mode",
                f"model {model.name} -> llama3 flavour {flavor}" + (f" ({FLAVOR_MODULE}.py)" if flavor == "axoplan" else ""),

@@ -70,6 +70,19 @@ class Plan:
         return n_layers // (self.pp * self.vpp)
 
 
+def split_text(counts) -> str:
+    """A pipeline's layers per (virtual) stage in words, runs collapsed: '14 stages of 8 layers, 2 of 7'."""
+    runs: list = []
+    for n in (int(x) for x in counts):
+        if runs and runs[-1][1] == n:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, n])
+    words = [f"{k} of {n} layer{'s' * (n != 1)}" for k, n in runs]
+    words[0] = words[0].replace(" of ", " stage of " if runs[0][0] == 1 else " stages of ", 1)
+    return ", ".join(words)
+
+
 @dataclass
 class Emitted:
     """A writer's result: files (name -> (text, mode)), the command after torchrun's own options (shell words,
