@@ -243,6 +243,13 @@ def torchtitan():
     return runs, out
 
 
+def megatron_flop(B: int, s: int, L: int, h: int, V: int, recompute: bool) -> float:
+    """A step's model FLOP as Megatron counts it to report TFLOP/s (Narayanan et al. 2021, Eq. 3: 96 B s L h^2 (1 + s/6h
+    + V/16Lh), the recomputed forward counted; without recomputation three passes, 72 and V/12Lh)."""
+    passes = 4 if recompute else 3
+    return 24 * passes * B * s * L * h * h * (1 + s / (6 * h) + V / (4 * passes * L * h))
+
+
 def megatron_core():
     src = "megatron_core_h100_readme_scaling.csv"
     runs, out = [], []
@@ -250,7 +257,7 @@ def megatron_core():
         label = f"{r['dataset']} {r['model']} {r['gpus']}gpu tp{r['tp']} pp{r['pp']}"
         L, h, s, V = int(r["layers"]), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"])
         B, gpus = int(r["global_batch"]), int(r["gpus"])
-        flop = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+        flop = megatron_flop(B, s, L, h, V, recompute=False)
         meas = flop / (float(r["measured"]) * 1e12 * gpus)
         model = _gpt(r["model"].lower(), L, h, r["heads"], V, s)
         pp = int(r["pp"])
@@ -287,7 +294,7 @@ def narayanan():
         L, h, B, gpus = int(r["layers"]), int(r["hidden"]), int(r["global_batch"]), int(r["gpus"])
         s, V = 2048, 51200  # the paper's Sec. 5.1, every row
         # time from the reported TFLOP/s by the paper's own Eq. 3 (the recomputed forward counted)
-        flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+        flop = megatron_flop(B, s, L, h, V, recompute=True)
         tp, pp = int(r["tp"]), int(r["pp"])
         model = _gpt(f"gpt-{r['params_b']}b", L, h, r["heads"], V, s)
         runs.append(Run("narayanan-selene", src, f"Table 1 GPT-{r['params_b']}B {gpus}gpu tp{tp} pp{pp}", model, gpus,
@@ -343,7 +350,7 @@ def bloom():
         elif not oom:
             # the logged TFLOP/s (Megatron-DeepSpeed, recompute counted) must match the time at this batch
             L, h, s, V, B = int(float(r["layers"])), int(r["hidden"]), int(r["seq_len"]), int(r["vocab"]), int(r["global_batch"])
-            flop = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / int(r["gpus"])
+            flop = megatron_flop(B, s, L, h, V, recompute=True) / int(r["gpus"])
             k = flop / (t * 1e12) / float(r["tflops_per_gpu_reported"])
             reason = None if 2 / 3 < k < 1.5 else (
                 f"time and the row's own TFLOP/s disagree {k:.1f}x at global batch {B}: batch not reliable")
