@@ -25,11 +25,8 @@ def layout(plan, n_layers: int) -> str | None:
     layers do not divide by pp x vpp: the (virtual) stages in layer order, 'E' the embedding on the first, 't*N' its
     N decoder layers, 'L' the LM head and loss on the last (megatron/core/transformer/pipeline_parallel_layer_layout.py,
     whose virtual stage v runs on pipeline rank v mod pp, as the planner's); None where the layers divide evenly."""
-    from axoplan.planner.pipeline import stage_blocks
-
-    if plan.pp < 2 or n_layers % (plan.pp * plan.vpp) == 0:
-        return None
-    return "E" + "|".join(f"t*{n}" for n in stage_blocks(n_layers, plan.pp, plan.vpp)) + "L"
+    counts = plan.uneven_stages(n_layers)
+    return None if counts is None else "E" + "|".join(f"t*{n}" for n in counts) + "L"
 
 
 def arguments(plan, model, job, profile, execution, steps: int = 10) -> list[tuple[str, list[str], str]]:
@@ -130,13 +127,11 @@ def args_script(args) -> str:
 
 
 def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
-    from axoplan.planner.pipeline import stage_blocks
-
     args = arguments(plan, model, job, profile, execution, steps)
+    uneven = plan.uneven_stages(model.n_layers)
     mapping = [f"gy={plan.gy} -> --tensor-model-parallel-size",
                f"pp={plan.pp} -> --pipeline-model-parallel-size"
-               + (f", {split_text(stage_blocks(model.n_layers, plan.pp, plan.vpp))} "
-                  f"-> --pipeline-model-parallel-layout" if layout(plan, model.n_layers) else
+               + (f", {split_text(uneven)} -> --pipeline-model-parallel-layout" if uneven else
                   f", vpp={plan.vpp} -> --num-layers-per-virtual-pipeline-stage {plan.layers_per_stage(model.n_layers)}"
                   if plan.vpp > 1 else ""),
                f"gdata={plan.gdata} -> the data-parallel size, which Megatron derives: GPUs / (tp x pp)",

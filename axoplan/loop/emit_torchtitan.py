@@ -32,13 +32,11 @@ def stage_modules(plan, n_layers: int) -> list[list[str]] | None:
     first, the final norm and the LM head on the last; torchtitan runs stage v on pipeline rank v mod pp
     (torchtitan/distributed/pipeline_parallel.py pipeline_module_split, 'loop' style), as the planner does.
     None where the layers divide evenly."""
-    from axoplan.planner.pipeline import stage_blocks
-
-    if plan.pp < 2 or n_layers % (plan.pp * plan.vpp) == 0:
+    counts = plan.uneven_stages(n_layers)
+    if counts is None:
         return None
     out, start = [], 0
-    counts = stage_blocks(n_layers, plan.pp, plan.vpp)
-    for v, n in enumerate(int(x) for x in counts):
+    for v, n in enumerate(counts):
         names = [f"layers.{i}" for i in range(start, start + n)]
         start += n
         out.append((["tok_embeddings"] if v == 0 else []) + names + (["norm", "output"] if v == len(counts) - 1 else []))
@@ -158,8 +156,8 @@ def write(plan, model, job, profile, execution, steps: int = 10) -> Emitted:
                f"gy={plan.gy} -> parallelism.tensor_parallel_degree (with sequence parallel norms)",
                f"pp={plan.pp} -> parallelism.pipeline_parallel_degree"
                + (f", schedule {SCHEDULE_NAMES[plan.schedule]}, "
-                  + (f"{split_text(len([x for x in st if x.startswith('layers.')]) for st in uneven)} "
-                     "-> parallelism.module_fqns_per_model_part" if uneven else
+                  + (f"{split_text(plan.uneven_stages(model.n_layers))} -> parallelism.module_fqns_per_model_part"
+                     if uneven else
                      f"{plan.layers_per_stage(model.n_layers)} layers per stage") if plan.pp > 1 else ""),
                f"micro-batch {plan.micro_batch}, global batch {job.global_batch}, seq_len {job.seq_len} -> [training]",
                f"checkpointing {'on' if plan.checkpointing else 'off'} -> activation_checkpoint.mode",

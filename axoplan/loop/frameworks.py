@@ -69,6 +69,15 @@ class Plan:
         """Blocks per (virtual) pipeline stage."""
         return n_layers // (self.pp * self.vpp)
 
+    def uneven_stages(self, n_layers: int) -> list[int] | None:
+        """Blocks of each (virtual) stage in layer order as the planner splits them (pipeline.stage_blocks: the first
+        n_layers mod (pp x vpp) take one more) where they do not divide evenly; None where they do."""
+        from axoplan.planner.pipeline import stage_blocks
+
+        if self.pp < 2 or n_layers % (self.pp * self.vpp) == 0:
+            return None
+        return [int(n) for n in stage_blocks(n_layers, self.pp, self.vpp)]
+
 
 def split_text(counts) -> str:
     """A pipeline's layers per (virtual) stage in words, runs collapsed: '14 stages of 8 layers, 2 of 7'."""
