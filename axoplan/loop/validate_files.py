@@ -179,9 +179,8 @@ def read_sweep_json(path: str | Path, cls):
         raise UserError(f"sweep file '{p}' is not JSON of a sweep's arguments") from None
     if not isinstance(d, dict):
         raise UserError(f"sweep file '{p}' is not a JSON object of the sweep's arguments")
-    d.setdefault("repeats", 1)
-    for k, v in (("pp", "all"), ("vpp", None), ("schedule", "all")):  # a sweep begun before these: rank's defaults
-        d.setdefault(k, v)
+    for k in ("repeats", "pp", "vpp", "schedule"):  # a sweep begun before these: the Sweep's defaults (rank's)
+        d.setdefault(k, cls.__dataclass_fields__[k].default)
     fields = set(cls.__dataclass_fields__)
     unknown = sorted(set(d) - fields)
     missing = sorted(f for f in ("model", "machine", "gpus", "global_batch") if f not in d)
