@@ -1,12 +1,9 @@
 """The one way axoplan draws a plot: matplotlib is imported only when a plot is asked for (planning
-never pays for it), on the Agg backend (login and compute nodes have no display), and the PNG is
-written atomically through axoplan.atomic like every other output."""
+never pays for it), on the Agg backend (login and compute nodes have no display), and the PNG comes back as
+bytes, which callers write atomically through axoplan.atomic like every other output."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
-
-from axoplan.atomic import write_output
 
 
 def pyplot():
@@ -27,8 +24,3 @@ def png_bytes(fig, dpi: int = 110) -> bytes:
     finally:
         pyplot().close(fig)
     return buf.getvalue()
-
-
-def save_png(fig, path: str | Path, dpi: int = 110) -> Path:
-    """Render fig as a PNG, close it, and write it to path atomically."""
-    return write_output(path, png_bytes(fig, dpi))

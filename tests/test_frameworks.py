@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import yaml
 
 from conftest import one_sentence, run_cli
 
+from axoplan.errors import UserError
 from axoplan.loop import run_logs
 from axoplan.loop.frameworks import Plan, framework_execution, write_framework_dir
 from axoplan.planner.profile_reader import load_profile
@@ -476,6 +478,22 @@ def test_what_a_framework_cannot_express_is_one_error(tmp_path, capsys):
     with pytest.raises(Exception, match="vpp >= 2"):
         _direct("torchtitan", plan, tmp_path / "z")
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()  # nothing half-written
+
+
+def test_a_plan_rank_would_refuse_is_refused_by_emit_with_ranks_sentence(tmp_path):
+    """emit's check applies the planner's own rules (batch.plan_rules), so a plan written by hand that rank would
+    never list is refused in rank's words before any file is written: too few micro-batches for the pipeline, a
+    Y split that does not divide the heads, more virtual stages than blocks."""
+    for fw, plan, batch, words in (
+            ("torchtitan", Plan(1, 2, 1, 2, "xyz", 8, False, pp=4), 32,
+             "1f1b over pp=4 stages needs at least 4 micro-batches, the step has 2"),
+            ("megatron", Plan(1, 16, 1, 1, "xyz", 1, False), 64, "8 KV heads are not divisible by gy=16"),
+            ("megatron", Plan(1, 1, 1, 1, "xyz", 1, False, pp=8, vpp=8, schedule="interleaved-1f1b"), 64,
+             "pp=8 x vpp=8 virtual stages are more than the model's 32 blocks")):
+        out = tmp_path / f"{fw}-{plan.pp}-{plan.gy}"
+        with pytest.raises(UserError, match=re.escape(words)):
+            _direct(fw, plan, out, global_batch=batch)
+        assert not out.exists()
 
 
 def test_rank_execution_ranks_only_what_the_framework_runs():

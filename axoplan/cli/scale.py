@@ -77,13 +77,6 @@ def render(df: pd.DataFrame, fmt: str) -> str:
     return _table(df) + "\n"
 
 
-def write_plot(df: pd.DataFrame, title: str, path: str) -> None:
-    """plot_png's PNG written to path atomically."""
-    from axoplan.atomic import write_output
-
-    write_output(path, plot_png(df, title))
-
-
 def plot_png(df: pd.DataFrame, title: str) -> bytes:
     """Time per batch (with the ideal 1/GPUs line) and parallel efficiency against GPUs, log axes."""
     plt = plots.pyplot()

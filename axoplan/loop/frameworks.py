@@ -15,6 +15,7 @@ import yaml
 
 from axoplan import slurm
 from axoplan.errors import UserError
+from axoplan.planner.pipeline import SCHEDULES
 from axoplan.loop.launch import (PROFILE_NAME, _env_lines, gpu_bind, is_cpu_profile, launch_env, nodes_for,
                                  python_default, slurm_task_lines)
 from axoplan.shell import check_script, comment, quote
@@ -24,7 +25,6 @@ SLURM_NAME = "launch_slurm.sbatch"
 RECORD_NAME = "run.yaml"  # what was planned, for reading the run back
 LOG_NAME = "train.log"  # the launchers append the framework's output here
 README_NAME = "README.txt"
-SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True)
@@ -112,22 +112,17 @@ def cannot(framework: str, what: str):
 
 
 def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
-    """Refuse, in one sentence, a plan the framework cannot run: an axis or placement its execution lacks (the
-    rule rank --execution applies), a schedule it does not have, a grid that does not fill the job."""
+    """Refuse, in one sentence, a plan the framework cannot run: a schedule it does not have, a grid that does not
+    fill the job, or any rule rank --execution applies (batch.plan_rules: divisibility, pipeline, capability)."""
     import numpy as np
 
-    from axoplan.planner.space import PLACEMENTS, Candidates
+    from axoplan.planner.batch import plan_rules
+    from axoplan.planner.space import PLACEMENTS, Candidates, micro_batches
 
     if plan.gpus != job.gpus:
         raise UserError(f"the plan uses {plan.gpus} GPUs (pp x gx x gy x gz x gdata), not the job's {job.gpus}")
     if plan.order not in PLACEMENTS:
         raise UserError(f"unknown placement order '{plan.order}'")
-    c = Candidates(*(np.array([v]) for v in (plan.gx, plan.gy, plan.gz, plan.gdata, PLACEMENTS.index(plan.order),
-                                             plan.micro_batch)), np.array([plan.checkpointing]))
-    for mask, reason in execution.capability_masks(c):
-        if mask[0]:
-            cannot(framework, reason.format(gx=plan.gx, gy=plan.gy, gz=plan.gz, gdata=plan.gdata,
-                                            micro_batch=plan.micro_batch, pp=plan.pp, vpp=plan.vpp))
     if plan.schedule not in SCHEDULES:
         cannot(framework, f"no pipeline schedule '{plan.schedule}' (known: {', '.join(SCHEDULES)})")
     if plan.pp > 1 and plan.schedule not in execution.pipeline_schedules:
@@ -137,12 +132,14 @@ def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
         cannot(framework, f"vpp={plan.vpp} virtual stages need the interleaved-1f1b schedule, not {plan.schedule}")
     if plan.schedule == "interleaved-1f1b" and plan.pp > 1 and plan.vpp < 2:
         cannot(framework, "the interleaved-1f1b schedule needs vpp >= 2 virtual stages per pipeline stage")
-    if model.n_layers % (plan.pp * plan.vpp) and execution.pipeline_even_split:
-        cannot(framework, f"{model.n_layers} layers do not split into pp x vpp = {plan.pp * plan.vpp} equal stages")
-    if plan.pp * plan.vpp > model.n_layers:
-        cannot(framework, f"pp x vpp = {plan.pp * plan.vpp} stages are more than the model's {model.n_layers} layers")
-    if job.global_batch % (plan.gdata * plan.gz * plan.micro_batch):
-        cannot(framework, f"global batch {job.global_batch} is not a multiple of gdata x gz x micro-batch")
+    c = Candidates(*(np.array([v]) for v in (plan.gx, plan.gy, plan.gz, plan.gdata, PLACEMENTS.index(plan.order),
+                                             plan.micro_batch)), np.array([plan.checkpointing]),
+                   np.array([plan.pp]), np.array([plan.vpp]), np.array([SCHEDULES.index(plan.schedule)], dtype=np.int8))
+    for mask, reason in plan_rules(model, job, c, execution):
+        if np.asarray(mask).reshape(-1)[0]:
+            cannot(framework, reason.format(gx=plan.gx, gy=plan.gy, gz=plan.gz, gdata=plan.gdata,
+                                            micro_batch=plan.micro_batch, pp=plan.pp, vpp=plan.vpp,
+                                            m=int(micro_batches(job.global_batch, c)[0])))
 
 
 def _launcher_head(emitted: Emitted, profile) -> list[str]:

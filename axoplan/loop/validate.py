@@ -420,14 +420,6 @@ def _write_error(out: Path, e: OSError) -> UserError:
     return UserError(f"cannot write {where}: {(e.strerror or str(e)).lower()}")
 
 
-def _prepare(sw: Sweep, out: Path, resume: bool) -> pd.DataFrame:
-    """Check (on resume) and write sweep.json, plan.csv and the run directories."""
-    plan = plan_candidates(sw)
-    _check_existing(sw, out, resume, plan)
-    _write_sweep(sw, out, plan)
-    return plan
-
-
 def _result_row(sw: Sweep, row: dict, res: RunResult, repeat: int = 0) -> dict:
     d = {c: row.get(c) for c in COLUMNS}
     d.update(candidate=row["candidate"], model=sw.model, machine=sw.machine, gpus=sw.gpus,

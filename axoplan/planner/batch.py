@@ -72,7 +72,7 @@ def _parts(model, profile, job, c, overlap, blas_tuning, explain, execution, wal
     fewer candidates is never tighter); and the pipelined ones a rule excludes (not timed, _excluded)."""
     pipe = c.pp > 1
     rows = np.arange(len(c))
-    rules = _rules(model, job, c, execution)
+    rules = plan_rules(model, job, c, execution)
     code = _rule_codes(rules, np.shape(c.gx))  # every rule before memory, once for all the parts
     templates = [t for _, t in rules]
     excluded = pipe & (code >= 0) if not explain else np.zeros(len(c), dtype=bool)
@@ -287,9 +287,10 @@ def _evaluate(model: ModelSpec, profile: MachineProfile, job: Job, c: Candidates
 MEMORY_REASON = "needs {mem:.1f} GiB per GPU, more than {limit:.1f} GiB available"
 
 
-def _rules(model: ModelSpec, job: Job, c: Candidates, execution: Execution) -> list:
+def plan_rules(model: ModelSpec, job: Job, c: Candidates, execution: Execution) -> list:
     """(violated mask, reason template) of every rule before memory, in the order reasons are reported: the
-    divisibility and pipeline rules, then what the framework cannot express (execution.capability_masks)."""
+    divisibility and pipeline rules, then what the framework cannot express (execution.capability_masks); the
+    one rule set rank applies and emit's check_plan refuses a plan by."""
     return divisibility_masks(model, job.global_batch, job.seq_len, c) + [
         (execution.pipeline_even_split & (model.n_layers % (c.pp * c.vpp) != 0),
          f"{execution.name} needs the {model.n_layers} blocks divisible by pp x vpp = {{pp}} x {{vpp}}")] + \

@@ -64,9 +64,14 @@ class Groups:
     busbw_ar: dict = None  # axis -> an all-reduce's bus bandwidth where it differs from busbw (NVLS inside a node)
 
     def bw(self, axis: str, kind: str):
-        """The bus bandwidth (bytes/s) a collective of `kind` gets on `axis`: busbw, an all-reduce's own where
-        the node reduces in its switch (MachineProfile.intra_nvls)."""
-        return self.busbw_ar[axis] if kind == "all_reduce" and self.busbw_ar is not None else self.busbw[axis]
+        """The bus bandwidth (bytes/s) a collective of `kind` gets on `axis` (kind_busbw)."""
+        return kind_busbw(self.busbw, self.busbw_ar, axis, kind)
+
+
+def kind_busbw(busbw: dict, busbw_ar: dict | None, axis: str, kind: str):
+    """busbw[axis], or an all-reduce's own busbw_ar[axis] where there is one (the node reduces in its switch:
+    MachineProfile.intra_nvls)."""
+    return busbw_ar[axis] if kind == "all_reduce" and busbw_ar is not None else busbw[axis]
 
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -355,8 +360,8 @@ class _Coefficients(dict):
     def __missing__(self, key):
         profile, size, busbw, lat, inside, stride, busbw_ar = self._args
         a, kind = key
-        bw = busbw_ar[a] if kind == "all_reduce" else busbw[a]
-        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], bw, lat[a], inside[a], stride[a])
+        self[key], self.fixed[key] = _ring_coefficients(profile, kind, size[a], kind_busbw(busbw, busbw_ar, a, kind),
+                                                        lat[a], inside[a], stride[a])
         return self[key]
 
 

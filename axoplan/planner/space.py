@@ -265,8 +265,9 @@ def enumerate_space(gpus: int, global_batch: int, orders: str = "all", micro_bat
 
 # ---- divisibility: one rule set for planner and trainer -----------------------------------
 def divisibility_masks(model: ModelSpec, global_batch: int, seq_len: int, c: Candidates) -> list[tuple[np.ndarray, str]]:
-    """(violated mask, reason template) for every divisibility rule, in the order reasons are reported.
-    Templates are formatted with the row's gx, gy, gz, gdata, micro_batch."""
+    """(violated mask, reason template) for every divisibility rule, then the pipeline's (pipeline_masks), in the
+    order reasons are reported. Templates are formatted with the row's gx, gy, gz, gdata, micro_batch (and pp,
+    vpp, m)."""
     gx, gy, gz, gd, mb = c.gx, c.gy, c.gz, c.gdata, c.micro_batch
     m = model
     dz = gd * gz
@@ -326,8 +327,7 @@ def grid_problem(model: ModelSpec, gx: int, gy: int, gz: int, gdata: int, global
 
     c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, 0, micro_batch)), np.array([False]),
                    np.array([pp]), np.array([vpp]), np.array([SCHEDULES.index(schedule)], dtype=np.int8))
-    rules = divisibility_masks(model, global_batch, seq_len or model.seq_len, c) + pipeline_masks(model, global_batch, c)
-    for mask, template in rules:
+    for mask, template in divisibility_masks(model, global_batch, seq_len or model.seq_len, c):  # pipeline's too
         if mask[0]:
             return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch, pp=pp, vpp=vpp,
                                     m=int(micro_batches(global_batch, c)[0]))
