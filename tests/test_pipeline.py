@@ -224,6 +224,15 @@ def test_explain_refuses_a_pipeline_rule_every_micro_batch_breaks(kw, msg):
     assert explain("gpt-20b", "dgx-a100", 64, 64, grid=(1, 8, 1, 2), pp=4).summary.iloc[0]["pp"] == 4
 
 
+def test_explain_gives_a_micro_batch_that_does_not_divide_as_the_rows_reason():
+    """A micro-batch larger than a GPU's share of the batch is its own mistake, shown as the row's reason as
+    without a pipeline, not a pipeline rule on a remainder ('the step has 0 micro-batches')."""
+    for pp in (1, 4):
+        e = explain("gpt-20b", "dgx-a100", 64, 64, grid=(1, 8, 1, 8 // pp), pp=pp, micro_batch=64)
+        row = e.summary.iloc[0]
+        assert not row["feasible"] and "micro-batch 64 does not divide" in row["reason"], (pp, row["reason"])
+
+
 @settings(max_examples=40, deadline=None)
 @given(pp=st.integers(2, 6), vpp=st.integers(1, 3), rounds=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_the_bound_never_exceeds_the_walk(pp, vpp, rounds, seed):

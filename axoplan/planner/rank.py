@@ -270,7 +270,12 @@ class Explanation:
 
 def _pipeline_mistake(model: ModelSpec, global_batch: int, c: Candidates) -> str | None:
     """The pipeline rule that every candidate breaks, as a sentence for the first candidate that breaks it, or
-    None where some candidate keeps every pipeline rule."""
+    None where some candidate keeps every pipeline rule. Only candidates whose micro-batch divides the batch count:
+    a micro-batch that does not is the row's own reason (its 'micro-batches per step' would be a remainder)."""
+    divides = global_batch % (c.gdata * c.gz * c.micro_batch) == 0
+    if not divides.any():
+        return None
+    c = c.take(np.nonzero(divides)[0])
     masks = pipeline_masks(model, global_batch, c)
     if not np.logical_or.reduce([mk for mk, _ in masks]).all():
         return None
