@@ -22,8 +22,9 @@ Four predictions side by side:
   of the NIC line rate (inter_node.busbw_gbs over the NICs: a property of the network, NETWORK below), each
   from the judged rows of the other machines that share what it is a property of (the plateau from their
   rows of 256 MiB and more; the latency scale from every other machine on the network, whatever its library,
-  where its libraries share one transport, SHARED_TRANSPORT below); on a network no other sweep ran on, the median of the latency scales the
-  library's other machines fit to their own rows, and NCCL's 0.96: leave-one-machine-out;
+  where its libraries share one transport, SHARED_TRANSPORT below); on a network no other sweep ran on (or whose
+  other sweeps have no latency-bound row), the median of the latency scales the library's other machines fit to
+  their own rows, and NCCL's 0.96 (or those sweeps' plateau share): leave-one-machine-out;
 - 'own': the same two fitted to the machine's own rows (what `calibrate --emit-slurm` does on a user's
   cluster; in-sample, for reference).
 Both fits minimise the mean absolute log error: the sweeps are means of 20 calls and some hold stalls of
@@ -277,7 +278,8 @@ def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
     """(latency_scale, plateau share) for `machine` from the other machines' rows only: both fitted together
     on those sharing its network, whatever their library, where its libraries reach it through one transport
     (SHARED_TRANSPORT: what a network step costs beyond a library's table is the transport's, so each machine on
-    it is evidence alike); else on those sharing its network and library; else the plateau share from those and the latency NCCL's; a network no
+    it is evidence alike); else on those sharing its network and library (where those have no latency-bound row,
+    their plateau share and the latency as below); else the plateau share from those and the latency NCCL's; a network no
     other sweep ran on gets the median of the latency scales each other machine of its library fits to its
     own rows (on the sweeps here every such fit is above NCCL's 1 but ABCI's, whose rows end at 32 MiB: NCCL's
     latency sits below what networks deliver) and NCCL's plateau share; with no other machine at all, NCCL's defaults."""
@@ -286,14 +288,23 @@ def leave_one_out(rows: list[dict], machine: str) -> tuple[float, float]:
     if others and NETWORK[machine] in SHARED_TRANSPORT:
         return fit_network(others)
     if same_lib:
-        return fit_network(same_lib)
+        scale, share = fit_network(same_lib)
+        if any(float(r["bytes"]) < PLATEAU_BYTES for r in same_lib):
+            return scale, share
+        # peers whose rows are all bandwidth-bound say nothing of the latency (fit_network's 1 is NCCL's own, not
+        # a measurement): the latency as on a network no other sweep ran on, their plateau share
+        return _library_scale(rows, machine), share
     if others:
         return 1.0, fit_share(others)
+    return _library_scale(rows, machine), RING_EFFICIENCY
+
+
+def _library_scale(rows: list[dict], machine: str) -> float:
+    """The median of the latency scales the library's other machines fit to their own rows (1: none)."""
     peers = sorted({r["machine"] for r in rows if r["machine"] != machine and LIBRARY[r["machine"]] == LIBRARY[machine]})
     if not peers:
-        return 1.0, RING_EFFICIENCY
-    scales = [fit_network([r for r in rows if r["machine"] == m])[0] for m in peers]
-    return round(float(np.median(scales)), 2), RING_EFFICIENCY
+        return 1.0
+    return round(float(np.median([fit_network([r for r in rows if r["machine"] == m])[0] for m in peers])), 2)
 
 
 def fit_latency(rows: list[dict], share: float = RING_EFFICIENCY) -> float:

@@ -327,6 +327,14 @@ def test_collective_fidelity_fits_recover_the_numbers_that_made_the_rows():
     assert cf.NETWORK["oci-gpu4-a100"] not in {cf.NETWORK[m] for m in ("p5-h100", "vm-h100-ndr", "xe9680-h100-ndr")}
     assert cf.leave_one_out(elsewhere + [dict(r, machine="oci-gpu4-a100") for r in rows], "oci-gpu4-a100") == (
         round(near, 2), cf.RING_EFFICIENCY)
+    # a peer on its network and library whose rows are all bandwidth-bound (p4dn's 1 GiB sweep) gives the plateau
+    # share but no latency: the latency as on a network of its own, that median
+    assert cf.NETWORK["p4dn-a100"] == cf.NETWORK["p4de-a100"] and cf.LIBRARY["p4dn-a100"] == cf.LIBRARY["p4de-a100"]
+    big = [dict(r, machine="p4dn-a100", gpus_per_node=8) for r in rows if r["bytes"] >= cf.PLATEAU_BYTES]
+    big = [dict(r, time_us=cf.predict(r, "protocols", 1.0, 0.6) * 1e6) for r in big]
+    mine = [dict(r, machine="p4de-a100", gpus_per_node=8) for r in rows]
+    assert cf.leave_one_out(elsewhere + big + mine, "p4de-a100") == (round(near, 2), cf.fit_share(big))
+    assert cf.fit_share(big) == pytest.approx(0.6, abs=0.02)
 
 
 def test_step_times_divide_each_call_by_its_ring_steps_at_one_share_per_rank():
