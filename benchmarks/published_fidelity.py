@@ -414,6 +414,9 @@ def machine_profiles() -> dict:
             kw["inter_busbw"] = d["inter_busbw_gbs"]["value"] * GB
         if "ring_busbw_gbs" in d:
             kw["inter_ring_busbw"] = d["ring_busbw_gbs"]["value"] * GB
+        if "intra_busbw_gbs" in d:  # one bus bandwidth for every group shape inside a node
+            kw["intra_groups"] = tuple((size, stride, d["intra_busbw_gbs"]["value"] * GB)
+                                       for size, stride, _ in p.intra_groups)
         if "capacity_gib" in d:
             kw["mem_capacity"] = d["capacity_gib"]["value"] * GIB
         if "headroom_gib" in d:
