@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,11 +32,22 @@ def rank_skew(p) -> np.ndarray:
     2 (H_p - 1), 1 for a pair, 0 for one rank. Measured in the trainer on 4 and 8 gloo ranks sharing 2 cores:
     a blocking all-reduce waits 0.4-0.6 ms more than its calibrated time in groups of 2 and 0.9-1.6 ms in groups
     of 4 (docs/calibration.md)."""
+    if np.ndim(p) == 0:  # one group size (a measured shape's table lookup): computed once per size
+        return _rank_skew_one(float(p))
+    return _rank_skew(p)
+
+
+def _rank_skew(p) -> np.ndarray:
     p = np.maximum(np.asarray(p, dtype=np.float64), 1.0)
     # H_p summed up to 64 ranks, beyond by its asymptotic series (within 1e-9 there)
     series = np.log(p) + np.euler_gamma + 1 / (2 * p) - 1 / (12 * p**2)
     harmonic = np.where(p <= len(_HARMONIC), _HARMONIC[np.minimum(p, len(_HARMONIC)).astype(np.int64) - 1], series)
     return 2.0 * (harmonic - 1.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_skew_one(p: float) -> np.float64:
+    return _rank_skew(p)[()]
 
 
 _HARMONIC = np.cumsum(1.0 / np.arange(1, 65))
@@ -62,6 +73,7 @@ class Groups:
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
     nodes: dict = None  # axis -> (members per node, nodes spanned): the protocol model's placement
     busbw_ar: dict = None  # axis -> an all-reduce's bus bandwidth where it differs from busbw (NVLS inside a node)
+    skew: dict = field(default_factory=dict)  # axis -> rank_skew of its group size, computed on first use
 
     def bw(self, axis: str, kind: str):
         """The bus bandwidth (bytes/s) a collective of `kind` gets on `axis` (kind_busbw)."""
@@ -94,6 +106,8 @@ def ring_volume(kind: str, p, nbytes):
     all-reduce, (p-1)/p for the others. The one ring cost: the planner, its measured tables and calibration."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}")
+    if isinstance(p, (int, np.integer)):  # one group size (a table lookup's slope): no array pass
+        return (2.0 if kind == "all_reduce" else 1.0) * (p - 1) / max(p, 1) * nbytes
     return (2.0 if kind == "all_reduce" else 1.0) * (p - 1) / np.maximum(p, 1) * nbytes
 
 
@@ -549,7 +563,11 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
             if p > 1 and profile.coll_table.covers(kind, p, s):
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
-    over = call_overhead(profile.corrections, g.size[axis]) if profile.corrections.collective_overhead_s else None
+    over = None
+    if profile.corrections.collective_overhead_s:  # every call over the axis waits the same: its skew once
+        if axis not in g.skew:
+            g.skew[axis] = rank_skew(g.size[axis])
+        over = profile.corrections.collective_overhead_s * g.skew[axis]
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t, overhead=over)
 
 
