@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,7 +73,6 @@ class Groups:
     shapes: dict = None  # axis -> (unique (size, stride) pairs, inverse index per candidate) where a table exists
     nodes: dict = None  # axis -> (members per node, nodes spanned): the protocol model's placement
     busbw_ar: dict = None  # axis -> an all-reduce's bus bandwidth where it differs from busbw (NVLS inside a node)
-    skew: dict = field(default_factory=dict)  # axis -> rank_skew of its group size, computed on first use
 
     def bw(self, axis: str, kind: str):
         """The bus bandwidth (bytes/s) a collective of `kind` gets on `axis` (kind_busbw)."""
@@ -563,11 +562,7 @@ def _coll(profile, g: Groups, layer, phase, kind, axis, nbytes, burst=0.0) -> Co
             if p > 1 and profile.coll_table.covers(kind, p, s):
                 m = inv == i
                 t[m] = table_seconds(profile, kind, p, s, nb[m], bu[m])
-    over = None
-    if profile.corrections.collective_overhead_s:  # every call over the axis waits the same: its skew once
-        if axis not in g.skew:
-            g.skew[axis] = rank_skew(g.size[axis])
-        over = profile.corrections.collective_overhead_s * g.skew[axis]
+    over = call_overhead(profile.corrections, g.size[axis]) if profile.corrections.collective_overhead_s else None
     return Collective(layer, phase, kind, axis, np.broadcast_to(nbytes, t.shape), t, overhead=over)
 
 
