@@ -114,10 +114,8 @@ def cannot(framework: str, what: str):
 def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
     """Refuse, in one sentence, a plan the framework cannot run: a schedule it does not have, a grid that does not
     fill the job, or any rule rank --execution applies (batch.plan_rules: divisibility, pipeline, capability)."""
-    import numpy as np
-
     from axoplan.planner.batch import plan_rules
-    from axoplan.planner.space import PLACEMENTS, Candidates, micro_batches
+    from axoplan.planner.space import PLACEMENTS, first_violation, one_candidate
 
     if plan.gpus != job.gpus:
         raise UserError(f"the plan uses {plan.gpus} GPUs (pp x gx x gy x gz x gdata), not the job's {job.gpus}")
@@ -132,14 +130,11 @@ def check_plan(framework: str, plan: Plan, model, job, execution) -> None:
         cannot(framework, f"vpp={plan.vpp} virtual stages need the interleaved-1f1b schedule, not {plan.schedule}")
     if plan.schedule == "interleaved-1f1b" and plan.pp > 1 and plan.vpp < 2:
         cannot(framework, "the interleaved-1f1b schedule needs vpp >= 2 virtual stages per pipeline stage")
-    c = Candidates(*(np.array([v]) for v in (plan.gx, plan.gy, plan.gz, plan.gdata, PLACEMENTS.index(plan.order),
-                                             plan.micro_batch)), np.array([plan.checkpointing]),
-                   np.array([plan.pp]), np.array([plan.vpp]), np.array([SCHEDULES.index(plan.schedule)], dtype=np.int8))
-    for mask, reason in plan_rules(model, job, c, execution):
-        if np.asarray(mask).reshape(-1)[0]:
-            cannot(framework, reason.format(gx=plan.gx, gy=plan.gy, gz=plan.gz, gdata=plan.gdata,
-                                            micro_batch=plan.micro_batch, pp=plan.pp, vpp=plan.vpp,
-                                            m=int(micro_batches(job.global_batch, c)[0])))
+    c = one_candidate(plan.gx, plan.gy, plan.gz, plan.gdata, plan.micro_batch, PLACEMENTS.index(plan.order),
+                      plan.checkpointing, plan.pp, plan.vpp, plan.schedule)
+    why = first_violation(plan_rules(model, job, c, execution), c, job.global_batch)
+    if why is not None:
+        cannot(framework, why)
 
 
 def _launcher_head(emitted: Emitted, profile) -> list[str]:

@@ -320,15 +320,27 @@ def pipeline_masks(model: ModelSpec, global_batch: int, c: Candidates) -> list[t
     ]
 
 
+def one_candidate(gx: int, gy: int, gz: int, gdata: int, micro_batch: int, order: int = 0, checkpointing: bool = False,
+                  pp: int = 1, vpp: int = 1, schedule: str = "1f1b") -> Candidates:
+    """One configuration as Candidates of length one (order: an index into PLACEMENTS)."""
+    from axoplan.planner.pipeline import SCHEDULES
+
+    return Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, order, micro_batch)), np.array([checkpointing]),
+                      np.array([pp]), np.array([vpp]), np.array([SCHEDULES.index(schedule)], dtype=np.int8))
+
+
+def first_violation(rules: list, c: Candidates, global_batch: int) -> str | None:
+    """The first of rules (violated mask, reason template) that the one candidate c breaks, its template filled
+    from c (gx, gy, gz, gdata, micro_batch, pp, vpp and m, its micro-batches per step), or None."""
+    for mask, template in rules:
+        if np.ravel(mask)[0]:
+            fields = {f: int(getattr(c, f)[0]) for f in ("gx", "gy", "gz", "gdata", "micro_batch", "pp", "vpp")}
+            return template.format(**fields, m=int(micro_batches(global_batch, c)[0]))
+    return None
+
+
 def grid_problem(model: ModelSpec, gx: int, gy: int, gz: int, gdata: int, global_batch: int, micro_batch: int,
                  seq_len: int | None = None, pp: int = 1, vpp: int = 1, schedule: str = "1f1b") -> str | None:
     """The first divisibility or pipeline rule one configuration breaks, as a sentence, or None."""
-    from axoplan.planner.pipeline import SCHEDULES
-
-    c = Candidates(*(np.array([v]) for v in (gx, gy, gz, gdata, 0, micro_batch)), np.array([False]),
-                   np.array([pp]), np.array([vpp]), np.array([SCHEDULES.index(schedule)], dtype=np.int8))
-    for mask, template in divisibility_masks(model, global_batch, seq_len or model.seq_len, c):  # pipeline's too
-        if mask[0]:
-            return template.format(gx=gx, gy=gy, gz=gz, gdata=gdata, micro_batch=micro_batch, pp=pp, vpp=vpp,
-                                    m=int(micro_batches(global_batch, c)[0]))
-    return None
+    c = one_candidate(gx, gy, gz, gdata, micro_batch, pp=pp, vpp=vpp, schedule=schedule)
+    return first_violation(divisibility_masks(model, global_batch, seq_len or model.seq_len, c), c, global_batch)
