@@ -114,7 +114,7 @@ class CpuSharedCores(GpuStreams):
             c.seconds = comm.collective_seconds(profile, sched.groups, c, b)
 
 
-def switching_seconds(profile: MachineProfile, groups, c, alone=None) -> np.ndarray | float:
+def switching_seconds(profile: MachineProfile, groups, c, alone) -> np.ndarray | float:
     """Of a collective's seconds, those it takes even while the node's other ranks wait: over more ranks than the
     cores (MachineProfile.shared_cores) not every member can run at once, so each ring step waits for the OS to
     switch one in, whatever the others do. That is its time called back to back (the calibration's burst 0, every
@@ -123,14 +123,12 @@ def switching_seconds(profile: MachineProfile, groups, c, alone=None) -> np.ndar
     What counts is a group's members on one node, whose cores they share. It is also what compute beside the call
     cannot hide (a Z all-gather or reduce-scatter in flight): the calibration's overlap part measures groups wider
     than the cores hiding less (benchmarks/data/cpu_overlap_rows_2026-12-07.csv: median 0.17 against pairs' 0.26).
-    alone: that back-to-back time where the caller has it (retime: the time build gave the call)."""
+    alone: that back-to-back time (retime passes the time schedule.build gave the call, at burst 0)."""
     if profile.shared_cores is None:
         return 0.0
     wide = comm.group_nodes(profile, groups.size[c.axis], groups.stride[c.axis])[0] > profile.shared_cores
     if not np.any(wide):
         return 0.0
-    if alone is None:
-        alone = comm.collective_seconds(profile, groups, c, 0.0)
     return np.where(wide, np.minimum(alone, c.seconds), 0.0)
 
 
