@@ -264,6 +264,9 @@ def predict(profile: MachineProfile, runs: RunSet, corrections: dict | None = No
 
 
 PREDICT_MEMO = 10_000  # predictions a RunSet keeps (each one float per run)
+# the solver's xtol on log corrections: the fit a profile keeps converges onto a bound it presses against; the
+# fits that only score a subset or leave one run out stop at a millionth, far below any run's error
+FIT_TOL, SCORE_TOL = 1e-8, 1e-6
 
 
 # ---- parameter vector <-> corrections ---------------------------------------------------------------
@@ -357,6 +360,11 @@ def _bic(n: int, rms: float, k: int) -> float:
 
 
 def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> list[str]:
+    """The corrections _select chooses (without its fit of them)."""
+    return _select(profile, runs, candidates, screen)[0]
+
+
+def _select(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> tuple[list, Fit | None]:
     """Best subset by the Bayesian information criterion on the log errors, n*log(mean squared log
     error) + k*log(n), among the corrections these runs can determine (choose_params), at most
     max_params of them. Every subset is scored first by its linearised fit (the planner's Jacobian at
@@ -374,7 +382,7 @@ def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, scre
     r0 = base - np.log(runs.measured)
     empty = _bic(n, float(np.sqrt(np.mean(r0**2))), 0)
     if not pool:
-        return []
+        return [], None
     x0 = _to_x(profile, profile.corrections, pool)
     lo, hi = _bounds(pool, runs)
     D, h = _differences(profile, runs, pool, base, hi)
@@ -387,15 +395,16 @@ def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, scre
             lo_d, hi_d = lo[idx] - x0[idx], hi[idx] - x0[idx]
             sol = lsq_linear(J[:, idx], -r0, bounds=(np.minimum(lo_d, -1e-12), np.maximum(hi_d, 1e-12)))
             rms = float(np.sqrt(np.mean((r0 + J[:, idx] @ sol.x) ** 2)))
-            scored.append((_bic(n, rms, k), k, [pool[i] for i in idx]))
+            scored.append((_bic(n, rms, k), k, [pool[i] for i in idx], _to_corr(x0[idx] + sol.x, [pool[i] for i in idx])))
     scored.sort(key=lambda t: (t[0], t[1]))
-    best, chosen = empty, []
-    for i, (_, k, params) in enumerate(scored[:screen]):
+    best, chosen, chosen_fit = empty, [], None
+    for i, (_, k, params, linear) in enumerate(scored[:screen]):
         progress.step("choosing the corrections: full fits of the best subsets", i + 1, min(screen, len(scored)))
-        v = _bic(n, fit(profile, runs, params).rms_log_error, k)
+        f = fit(profile, runs, params, start=linear, tol=SCORE_TOL)  # from the linearised optimum: only refined
+        v = _bic(n, f.rms_log_error, k)
         if v < best - 1e-9:
-            best, chosen = v, params
-    return chosen
+            best, chosen, chosen_fit = v, params, f
+    return chosen, chosen_fit
 
 
 @dataclass
@@ -407,9 +416,10 @@ class Fit:
     message: str
 
 
-def fit(profile: MachineProfile, runs: RunSet, params, start: dict | None = None) -> Fit:
+def fit(profile: MachineProfile, runs: RunSet, params, start: dict | None = None, tol: float = FIT_TOL) -> Fit:
     """Least squares on log(predicted/measured) over the given corrections, from the profile's values
-    (or from `start`, e.g. the full fit when leaving one run out)."""
+    (or from `start`, e.g. the full fit when leaving one run out); tol: the solver's xtol (ftol and gtol a
+    hundredth of it)."""
     from scipy.optimize import least_squares
 
     params = list(params)
@@ -425,11 +435,11 @@ def fit(profile: MachineProfile, runs: RunSet, params, start: dict | None = None
 
     scale = np.array([1.0 if k in SCALE_PARAMS else 0.1 if k in UNIT_PARAMS else
                       max(float(np.median(runs.measured)), 1e-9) * 0.1 for k in params])
-    sol = least_squares(resid, x0, bounds=(lo, hi), x_scale=scale, method="trf", xtol=1e-8, ftol=1e-10,
-                        gtol=1e-10, max_nfev=200)
+    sol = least_squares(resid, x0, bounds=(lo, hi), x_scale=scale, method="trf", xtol=tol, ftol=tol / 100,
+                        gtol=tol / 100, max_nfev=200)
     # the solver stops a hair inside a bound it presses against (an overlap of 4e-26 or 2e-7): the bound is the answer
-    tol = 1e-6 * (hi - lo)
-    x = np.where(sol.x - lo <= tol, lo, np.where(hi - sol.x <= tol, hi, sol.x))
+    edge = 1e-6 * (hi - lo)
+    x = np.where(sol.x - lo <= edge, lo, np.where(hi - sol.x <= edge, hi, sol.x))
     return Fit(params, _to_corr(x, params), float(np.sqrt(np.mean(sol.fun**2))), bool(sol.success),
                str(sol.message))
 
@@ -457,9 +467,10 @@ class Report:
 def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: bool = True,
                   candidates=PARAMS) -> Report:
     """`params` "auto": the best subset of `candidates` (select_params)."""
+    chosen_fit = None  # the selection's own fit of the subset it chose: where the fit starts
     if params == "auto":
         progress.step("choosing the corrections: the planner's sensitivities")
-        params = select_params(profile, runs, candidates)
+        params, chosen_fit = _select(profile, runs, candidates)
     else:
         params = list(params)
         unknown = [p for p in params if p not in PARAMS]
@@ -471,7 +482,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
                         f"check its numbers")
     progress.step(f"fitting {', '.join(params) or 'nothing'}")
     try:
-        f = fit(profile, runs, params)
+        f = fit(profile, runs, params, start=chosen_fit.corrections if chosen_fit else None)
     except (np.linalg.LinAlgError, ValueError, FloatingPointError) as e:
         raise UserError(f"the fit of {', '.join(params)} to these runs does not converge with machine profile "
                         f"'{profile.name}' ({' '.join(str(e).split())[:80]}); check the profile's numbers") from None
@@ -485,7 +496,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
             progress.step("leave-one-out fits", i + 1, len(runs))
             keep = np.ones(len(runs), dtype=bool)
             keep[i] = False
-            fi = fit(profile, runs.subset(keep), params, start=f.corrections)
+            fi = fit(profile, runs.subset(keep), params, start=f.corrections, tol=SCORE_TOL)
             loo_pred[i] = predict(profile, runs.subset(np.array([i])), fi.corrections)[0]
     eb, ea = abs_pct_errors(before_pred, runs.measured), abs_pct_errors(after_pred, runs.measured)
     el = abs_pct_errors(loo_pred, runs.measured) if loo_pred is not None else None
