@@ -359,14 +359,10 @@ def _bic(n: int, rms: float, k: int) -> float:
     return n * np.log(max(rms, 1e-12) ** 2) + k * np.log(n)
 
 
-def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> list[str]:
-    """The corrections _select chooses (without its fit of them)."""
-    return _select(profile, runs, candidates, screen)[0]
-
-
-def _select(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12) -> tuple[list, Fit | None]:
-    """Best subset by the Bayesian information criterion on the log errors, n*log(mean squared log
-    error) + k*log(n), among the corrections these runs can determine (choose_params), at most
+def select_params(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: int = 12
+                  ) -> tuple[list[str], Fit | None]:
+    """(subset, its fit; None for the empty set). Best subset by the Bayesian information criterion on the
+    log errors, n*log(mean squared log error) + k*log(n), among the corrections these runs can determine (choose_params), at most
     max_params of them. Every subset is scored first by its linearised fit (the planner's Jacobian at
     the profile, bounded least squares: cheap), the `screen` best and the empty set then by a real fit.
     Corrections that only help together (one moves the runs one way, another corrects what it
@@ -395,7 +391,8 @@ def _select(profile: MachineProfile, runs: RunSet, candidates=PARAMS, screen: in
             lo_d, hi_d = lo[idx] - x0[idx], hi[idx] - x0[idx]
             sol = lsq_linear(J[:, idx], -r0, bounds=(np.minimum(lo_d, -1e-12), np.maximum(hi_d, 1e-12)))
             rms = float(np.sqrt(np.mean((r0 + J[:, idx] @ sol.x) ** 2)))
-            scored.append((_bic(n, rms, k), k, [pool[i] for i in idx], _to_corr(x0[idx] + sol.x, [pool[i] for i in idx])))
+            names = [pool[i] for i in idx]
+            scored.append((_bic(n, rms, k), k, names, _to_corr(x0[idx] + sol.x, names)))
     scored.sort(key=lambda t: (t[0], t[1]))
     best, chosen, chosen_fit = empty, [], None
     for i, (_, k, params, linear) in enumerate(scored[:screen]):
@@ -470,7 +467,7 @@ def refit_profile(profile: MachineProfile, runs: RunSet, params="auto", loo: boo
     chosen_fit = None  # the selection's own fit of the subset it chose: where the fit starts
     if params == "auto":
         progress.step("choosing the corrections: the planner's sensitivities")
-        params, chosen_fit = _select(profile, runs, candidates)
+        params, chosen_fit = select_params(profile, runs, candidates)
     else:
         params = list(params)
         unknown = [p for p in params if p not in PARAMS]
