@@ -510,8 +510,7 @@ def summarise(rows: list[dict]) -> dict:
             "median_ratio": float(np.median(ratio)) if len(ok) else None,
             "kendall_tau": float(np.mean(taus)) if taus else None, "tau_groups": len(taus),
             "kendall_tau_ceiling": float(np.mean(ceilings)) if ceilings else None,
-            "tau_per_group": taus, "tau_ceiling_per_group": ceilings,
-            # (group, rows, tau, ceiling): issue 23 judges BLOOM per date block of at least TAU_BLOCK_ROWS rows
+            # (group, rows, tau, ceiling) per group: issue 23 judges BLOOM per date block of at least TAU_BLOCK_ROWS rows
             "tau_groups_named": named,
             "infeasible_that_ran": sum(not r["feasible"] for r in ok),
             "oom_rows": len(ooms), "oom_called_infeasible": sum(not r["feasible"] for r in ooms),
@@ -696,7 +695,7 @@ def main(argv=None) -> int:
                   "measured runs): " + ", ".join(f"{g} ({n}) {t:+.2f} / {c:+.2f}" for g, n, t, c in s["tau_groups_named"])
                   + f"; mean {s['kendall_tau']:+.2f} / {s['kendall_tau_ceiling']:+.2f}")
             big = [(t, c) for _, n, t, c in s["tau_groups_named"] if n >= TAU_BLOCK_ROWS]
-            if len(big) < len(s["tau_groups_named"]):
+            if big and len(big) < len(s["tau_groups_named"]):
                 print(f"{ds}: over the {len(big)} groups of at least {TAU_BLOCK_ROWS} rows (issue 23's target: tau >= "
                       f"0.8 in each): lowest {min(t for t, _ in big):+.2f}, mean {np.mean([t for t, _ in big]):+.2f}, "
                       f"{sum(t >= 0.8 for t, _ in big)} of {len(big)} at 0.8 or above; their ceiling "
