@@ -482,22 +482,21 @@ def summarise(rows: list[dict]) -> dict:
     ok = [r for r in rows if "ratio" in r]
     ratio = np.array([r["ratio"] for r in ok])
     err = np.abs(ratio - 1)
-    taus, ceilings, named = [], [], []
+    named = []  # (group, rows, tau, ceiling)
     for g in sorted({r["group"] for r in ok}):
         grp = [r for r in ok if r["group"] == g]
         if len(grp) >= 3:
             meas = [r["tokens_per_gpu_meas"] for r in grp]
             tau = kendalltau([r["tokens_per_gpu_pred"] for r in grp], meas).statistic
             if np.isfinite(tau):
-                taus.append(float(tau))
                 # what no model of these rows' fields can beat: each configuration predicted as the mean of its
                 # own measured runs (repeats, and whatever changed between them unrecorded)
                 same = {}
                 for r in grp:
                     same.setdefault(r["config"], []).append(r["tokens_per_gpu_meas"])
                 ceiling = kendalltau([np.mean(same[r["config"]]) for r in grp], meas).statistic
-                ceilings.append(float(ceiling) if np.isfinite(ceiling) else 0.0)
-                named.append((g.split(":", 1)[-1], len(grp), taus[-1], ceilings[-1]))
+                named.append((g.split(":", 1)[-1], len(grp), float(tau),
+                              float(ceiling) if np.isfinite(ceiling) else 0.0))
     mem = [r for r in ok if r.get("measured_mem_gib")]
     gap = np.array([r["measured_mem_gib"] - r["memory_gib"] for r in mem])
     return {"rows": len(ok), "errors": len(rows) - len(ok) - len(ooms),
@@ -508,8 +507,8 @@ def summarise(rows: list[dict]) -> dict:
             "mean_err_pct": float(100 * err.mean()) if len(ok) else None,
             "max_err_pct": float(100 * err.max()) if len(ok) else None,
             "median_ratio": float(np.median(ratio)) if len(ok) else None,
-            "kendall_tau": float(np.mean(taus)) if taus else None, "tau_groups": len(taus),
-            "kendall_tau_ceiling": float(np.mean(ceilings)) if ceilings else None,
+            "kendall_tau": float(np.mean([t for _, _, t, _ in named])) if named else None, "tau_groups": len(named),
+            "kendall_tau_ceiling": float(np.mean([c for _, _, _, c in named])) if named else None,
             # (group, rows, tau, ceiling) per group: issue 23 judges BLOOM per date block of at least TAU_BLOCK_ROWS rows
             "tau_groups_named": named,
             "infeasible_that_ran": sum(not r["feasible"] for r in ok),
