@@ -4,6 +4,7 @@ and report the leave-one-out error. Prints the issue-5 targets with the figures 
 
     python benchmarks/ranking_fidelity.py                      # gpt-tiny, 4 and 8 ranks, localhost-cpu
     python benchmarks/ranking_fidelity.py --model gpt-small --ranks 4 --out /tmp/rf --resume
+    python benchmarks/ranking_fidelity.py --ranks 8 --machine P.yaml --out /tmp/pooled --pool /tmp/rf-a /tmp/rf-b
 
 Each candidate runs --repeats times (default 3), in passes over all candidates, so drift of the
 machine during a sweep reaches every candidate alike; its time is the median of its runs (three, so one
@@ -15,6 +16,10 @@ localhost-cpu-8.yaml was calibrated with 8: pass it as --machine). Beside tau it
 ties allow (tie_ceiling): below it the model orders candidates wrongly; candidates it predicts alike (e.g.
 placements it cannot tell apart) cost the rest. Other processes running on the machine at the same time
 distort every measurement: the load average is printed before and after each sweep so a reader can judge.
+
+--pool scores the runs of several earlier sweeps (their --out folders) as one: the same candidates, run with
+the same profile, each candidate's time the median of all its runs. Where one sweep's tau moves with the
+machine's state, the pooled one is the model's ranking against a measurement with less noise.
 """
 from __future__ import annotations
 
@@ -27,10 +32,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from axoplan.atomic import atomic_write_text, ensure_dir  # noqa: E402
+from axoplan.errors import UserError  # noqa: E402
 from axoplan.loop import validate as V  # noqa: E402
 from axoplan.loop.launch import pipeline_of  # noqa: E402
 from axoplan.planner.profile_reader import load_profile  # noqa: E402
@@ -68,8 +76,38 @@ def breakdown(args, ranks, res):
     return "\n".join(rows)
 
 
+def pool_sweeps(folders: list[str | Path], out: Path) -> int:
+    """Write the runs of several sweeps of one space (each a validate folder) into out's results.csv as one
+    sweep, their repeats numbered on; returns the number of runs. The sweeps must hold the same candidates
+    and have run them with the same profile (each run folder's machine.yaml), else pooling mixes machines."""
+    frames, profiles, cands = [], set(), None
+    for f in map(Path, folders):
+        res = V.read_results(f / V.RESULTS_FILE, per_run=True).drop(columns="measured_time_text")
+        names = set(res["candidate"])
+        if cands is not None and names != cands:
+            raise UserError(f"sweep '{f}' holds other candidates than '{folders[0]}': only sweeps of one space "
+                            f"pool")
+        cands = names
+        for c in sorted(names):
+            m = f / "runs" / c / "machine.yaml"
+            if m.is_file():
+                profiles.add(m.read_bytes())
+        res["repeat"] += sum(int(r["repeat"].max()) + 1 for r in frames)
+        frames.append(res)
+    if len(profiles) > 1:
+        raise UserError("the pooled sweeps ran with different profiles (their run folders' machine.yaml differ): "
+                        "only runs of one profile pool")
+    runs = pd.concat(frames, ignore_index=True)
+    atomic_write_text(ensure_dir(out) / V.RESULTS_FILE, runs.to_csv(index=False))
+    return len(runs)
+
+
 def one(args, ranks: int) -> dict:
     out = Path(args.out) / f"{args.model}-{ranks}ranks"
+    passes = f"{args.repeats} pass(es)"
+    if args.pool:
+        n = pool_sweeps([Path(d) / out.name for d in args.pool], out)
+        passes = f"{n} runs pooled from {len(args.pool)} sweeps ({', '.join(args.pool)})"
     sw = V.Sweep(model=args.model, machine=args.machine, gpus=ranks, global_batch=args.global_batch, top_k=None,
                  all=True, steps=args.steps, warmup_steps=args.warmup, timeout_s=args.timeout,
                  checkpointing=args.checkpointing, repeats=args.repeats)
@@ -79,8 +117,8 @@ def one(args, ranks: int) -> dict:
     over = (f" (OVERSUBSCRIBED: {ranks} processes on {os.cpu_count()} cores; the profile was calibrated with "
             f"{prof.gpus_per_node})" if ranks > prof.gpus_per_node else "")
     print(f"\n=== {args.model}, {ranks} ranks{over}, global batch {args.global_batch}, profile {args.machine}, "
-          f"--all, {args.steps} steps ({args.warmup} warm-up), {args.repeats} pass(es) ===")
-    if args.rescore:
+          f"--all, {args.steps} steps ({args.warmup} warm-up), {passes} ===")
+    if args.rescore or args.pool:
         print(f"re-scoring the recorded runs in {out} with the planner as it is now (no new runs)")
     else:
         print(f"load average before: {load()}")
@@ -182,11 +220,17 @@ def main():
     ap.add_argument("--out", default="out/ranking-fidelity", help="run folder (default under out/, which git ignores)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--rescore", action="store_true", help="no runs: score the recorded ones with the current planner")
+    ap.add_argument("--pool", nargs="+", metavar="DIR", default=None,
+                    help="no runs: score the runs of these sweeps' --out folders together (same candidates and "
+                         "profile; each candidate's time the median of all its runs), written under --out")
     args = ap.parse_args()
     prof = load_profile(args.machine)
     print(f"profile {prof.name} ({prof.path}): {prof.description}")
     print(f"this machine: {os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    figs = [one(args, r) for r in args.ranks]
+    try:
+        figs = [one(args, r) for r in args.ranks]
+    except UserError as e:
+        sys.exit(f"error: {e}")
     print("\n=== figures (issue 5 targets) ===")
     for f in figs:
         print(f"{args.model}, {f['ranks']} ranks{' (oversubscribed)' if f['oversubscribed'] else ''}: "
