@@ -41,6 +41,7 @@ from axoplan.atomic import atomic_write_text, ensure_dir  # noqa: E402
 from axoplan.errors import UserError  # noqa: E402
 from axoplan.loop import validate as V  # noqa: E402
 from axoplan.loop.launch import pipeline_of  # noqa: E402
+from axoplan.loop.validate_files import csv_line  # noqa: E402
 from axoplan.planner.profile_reader import load_profile  # noqa: E402
 from axoplan.planner.rank import explain  # noqa: E402
 from axoplan.loop.refit import format_report, predict, refit_profile, runs_from_results  # noqa: E402
@@ -92,13 +93,16 @@ def pool_sweeps(folders: list[str | Path], out: Path) -> int:
             m = f / "runs" / c / "machine.yaml"
             if m.is_file():
                 profiles.add(m.read_bytes())
-        res["repeat"] += sum(int(r["repeat"].max()) + 1 for r in frames)
+        if frames:  # number this sweep's repeats on from the last one's
+            res["repeat"] += int(frames[-1]["repeat"].max()) + 1
         frames.append(res)
     if len(profiles) > 1:
         raise UserError("the pooled sweeps ran with different profiles (their run folders' machine.yaml differ): "
                         "only runs of one profile pool")
     runs = pd.concat(frames, ignore_index=True)
-    atomic_write_text(ensure_dir(out) / V.RESULTS_FILE, runs.to_csv(index=False))
+    cols = list(runs.columns)
+    # validate's own record format: one record per line, so read_results reads the pool as any sweep
+    atomic_write_text(ensure_dir(out) / V.RESULTS_FILE, "".join(csv_line(v) for v in [cols] + runs.values.tolist()))
     return len(runs)
 
 
